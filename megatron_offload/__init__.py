@@ -1,0 +1,27 @@
+"""Optimizer-state offloading for megatron-core's DistributedOptimizer.
+
+Adam's moments and the fp32 master weights live in pinned host memory between optimizer steps and
+come back on a side CUDA stream before the next step; the Adam math stays on the GPU.
+"""
+
+from megatron_offload.args import add_offload_args, config_from_args, validate_offload_args
+from megatron_offload.config import OffloadConfig, PrefetchPolicy
+from megatron_offload.engine import OffloadStats, OptimizerStateOffloader
+from megatron_offload.host_memory import HostMemoryError
+from megatron_offload.megatron_adapter import CHECKED_MEGATRON_CORE_VERSIONS, OffloadHandle, attach_offloader
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CHECKED_MEGATRON_CORE_VERSIONS",
+    "HostMemoryError",
+    "OffloadConfig",
+    "OffloadHandle",
+    "OffloadStats",
+    "OptimizerStateOffloader",
+    "PrefetchPolicy",
+    "add_offload_args",
+    "attach_offloader",
+    "config_from_args",
+    "validate_offload_args",
+]

@@ -1,0 +1,99 @@
+"""Command-line flags for Megatron-style scripts, and the rules on combining them with Megatron's own.
+
+``add_offload_args`` has the signature Megatron-LM expects of ``pretrain(extra_args_provider=...)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_offload.config import OffloadConfig, PrefetchPolicy
+
+__all__ = ["add_offload_args", "config_from_args", "validate_offload_args"]
+
+
+def add_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the offload flags to ``parser`` and return it."""
+    group = parser.add_argument_group("optimizer state offloading (megatron-offload)")
+    try:
+        group.add_argument(
+            "--offload-optimizer-states",
+            action="store_true",
+            help="Keep Adam's exp_avg, exp_avg_sq (and the fp32 master weights) in pinned host memory "
+            "between optimizer steps; Adam still runs on the GPU. Needs --use-distributed-optimizer.",
+        )
+    except argparse.ArgumentError as error:
+        raise ValueError(
+            "this Megatron-LM already defines --offload-optimizer-states (its own offloader). Use either "
+            "Megatron-LM's offloader or megatron-offload, not both: do not add megatron-offload's "
+            "arguments to this parser."
+        ) from error
+    group.add_argument(
+        "--offload-master-weights",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Offload the fp32 master weights too (default). --no-offload-master-weights keeps them on "
+        "the GPU: 4 bytes per parameter shard stay resident, and a third less is copied each way.",
+    )
+    group.add_argument(
+        "--offload-prefetch",
+        choices=[policy.value for policy in PrefetchPolicy],
+        default=PrefetchPolicy.FINALIZE.value,
+        help="When the copy back to the GPU starts: 'finalize' when gradients are finalized after "
+        "backward (default), 'step' at the start of optimizer.step().",
+    )
+    group.add_argument(
+        "--offload-host-memory-check",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Check at start that host memory can hold every rank's offloaded state (default on).",
+    )
+    return parser
+
+
+def validate_offload_args(args: argparse.Namespace) -> None:
+    """Raise ValueError if --offload-optimizer-states is combined with flags it cannot work with.
+
+    Reads Megatron-LM's argument names; a name absent from ``args`` counts as its default.
+    """
+    if not getattr(args, "offload_optimizer_states", False):
+        return
+    if getattr(args, "optimizer_cpu_offload", False):
+        raise ValueError(
+            "--offload-optimizer-states cannot be combined with --optimizer-cpu-offload. "
+            "--optimizer-cpu-offload (megatron-core's HybridDeviceOptimizer) moves the Adam update itself "
+            "to the CPU; --offload-optimizer-states keeps the update on the GPU and only parks the state in "
+            "host memory between steps. Both would own the same state: pick one (usually "
+            "--offload-optimizer-states, which is much faster) and remove the other."
+        )
+    if not getattr(args, "use_distributed_optimizer", False):
+        raise ValueError(
+            "--offload-optimizer-states needs --use-distributed-optimizer: it offloads the state of "
+            "megatron-core's DistributedOptimizer. Add --use-distributed-optimizer."
+        )
+    optimizer = getattr(args, "optimizer", "adam")
+    if optimizer != "adam":
+        raise ValueError(
+            f"--offload-optimizer-states supports --optimizer adam only, got --optimizer {optimizer}. "
+            "Use --optimizer adam or drop --offload-optimizer-states."
+        )
+    for flag in ("use_megatron_fsdp", "use_custom_fsdp", "use_torch_fsdp2", "optimizer_cuda_graph"):
+        if getattr(args, flag, False):
+            name = "--" + flag.replace("_", "-")
+            why = (
+                "the optimizer step is captured in a CUDA graph, whose memory addresses must not change"
+                if flag == "optimizer_cuda_graph"
+                else "FSDP shards and manages the optimizer state itself, outside DistributedOptimizer"
+            )
+            raise ValueError(
+                f"--offload-optimizer-states cannot be combined with {name}: {why}. Remove one of the two."
+            )
+
+
+def config_from_args(args: argparse.Namespace) -> OffloadConfig:
+    """The OffloadConfig the flags describe (call ``validate_offload_args`` first)."""
+    return OffloadConfig(
+        offload_master_weights=getattr(args, "offload_master_weights", True),
+        prefetch=PrefetchPolicy(getattr(args, "offload_prefetch", PrefetchPolicy.FINALIZE.value)),
+        check_host_memory=getattr(args, "offload_host_memory_check", True),
+    )
