@@ -10,7 +10,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["megatron_offload", "megatron_offload.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.6", "megatron-core>=0.14", "packaging"],
+    install_requires=["torch>=2.6", "megatron-core>=0.14", "packaging", "pyyaml"],
     extras_require={
         "te": ["transformer-engine[pytorch]"],
         "apex": ["apex"],

@@ -7,6 +7,7 @@ pinned copy bandwidth of the same machine, so the offloader's copies can be read
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -22,7 +23,9 @@ GB = 1e9
 
 def pinned_bandwidth(nbytes: int, repeats: int = 5) -> dict[str, float]:
     """Median GB/s of plain pinned copies of ``nbytes``: each direction alone, and both at once."""
-    host = HostSlab(nbytes // 4, torch.float32, pin=True).tensor
+    slab = HostSlab(nbytes // 4, torch.float32, pin=True)  # the slab unpins when dropped: keep it
+    assert slab.pinned, "could not pin host memory for the bandwidth reference"
+    host = slab.tensor
     device = torch.empty_like(host, device="cuda").normal_()
     device_in = torch.empty_like(device)
     streams = torch.cuda.Stream(), torch.cuda.Stream()
@@ -47,6 +50,10 @@ def pinned_bandwidth(nbytes: int, repeats: int = 5) -> dict[str, float]:
 
 
 def run(shape: GPTShape, steps: int, offload: bool) -> dict[str, float]:
+    """Train ``steps`` iterations; memory figures count only what this run allocated."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
     training = build_gpt_training(shape)
     handle = attach_offloader(training.optimizer) if offload else None
     step_seconds, offload_seconds, prefetch_seconds = [], [], []
@@ -63,8 +70,8 @@ def run(shape: GPTShape, steps: int, offload: bool) -> dict[str, float]:
             prefetch_seconds.append(stats.last_prefetch_seconds)
     result = {
         "median_step_s": statistics.median(step_seconds[2:]),
-        "peak_allocated_GiB": torch.cuda.max_memory_allocated() / 2**30,
-        "allocated_between_steps_GiB": torch.cuda.memory_allocated() / 2**30,
+        "peak_allocated_GiB": (torch.cuda.max_memory_allocated() - before) / 2**30,
+        "allocated_between_steps_GiB": (torch.cuda.memory_allocated() - before) / 2**30,
     }
     if handle is not None:
         stats = handle.read_stats()
@@ -75,8 +82,6 @@ def run(shape: GPTShape, steps: int, offload: bool) -> dict[str, float]:
             "pinned": stats.pinned,
         }
         handle.detach()
-    del training
-    torch.cuda.empty_cache()
     return result
 
 

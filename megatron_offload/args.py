@@ -77,6 +77,12 @@ def validate_offload_args(args: argparse.Namespace) -> None:
             f"--offload-optimizer-states supports --optimizer adam only, got --optimizer {optimizer}. "
             "Use --optimizer adam or drop --offload-optimizer-states."
         )
+    if getattr(args, "async_save", False):
+        raise ValueError(
+            "--offload-optimizer-states cannot be combined with --async-save: a checkpoint save reads the "
+            "offloaded state straight from its host buffers, which the next step overwrites while an "
+            "asynchronous save may still be writing them. Drop --async-save (saves are then synchronous)."
+        )
     for flag in ("use_megatron_fsdp", "use_custom_fsdp", "use_torch_fsdp2", "optimizer_cuda_graph"):
         if getattr(args, flag, False):
             name = "--" + flag.replace("_", "-")

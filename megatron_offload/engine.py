@@ -32,6 +32,9 @@ class OffloadStats:
     prefetch_seconds: float = 0.0
     last_offload_seconds: float = 0.0
     last_prefetch_seconds: float = 0.0
+    exposed_seconds: float = 0.0
+    """Time the compute stream stood waiting for a copy-in at ``wait()``: the copy time not hidden."""
+    last_exposed_seconds: float = 0.0
     gpu_bytes_freed: int = 0
     """Bytes of device memory released by the latest offload (0 while the state is resident)."""
     host_bytes: int = 0
@@ -41,7 +44,7 @@ class OffloadStats:
 
 @dataclass
 class _Entry:
-    device_tensor: torch.Tensor  # the optimizer's own tensor object; only its storage comes and goes
+    tensor: torch.Tensor  # the optimizer's own tensor object; its .data moves between GPU and host
     host: torch.Tensor  # view into a host slab, same shape and dtype
     nbytes: int
 
@@ -65,12 +68,12 @@ class OptimizerStateOffloader:
     Lifecycle per iteration: ``offload()`` after ``step()``; ``prefetch()`` while the next iteration
     computes; ``wait()`` right before the next ``step()``.
 
-    NOTE: tensors are never replaced. We free and re-grow their *storage* (``untyped_storage().resize_``),
-    so ``optimizer.state``, ``param_groups`` and any outside reference keep pointing at the same
-    objects. While offloaded a tensor has the right shape but no memory: a kernel that reads it
-    faults (on CUDA an illegal-address error), so code that reads the state between steps (checkpoint
-    saving, norms over master weights) must ``wait()`` first; the Megatron adapter does that for the
-    paths it knows.
+    NOTE: tensor objects are never replaced, only what they hold: offloading points each one's ``.data``
+    at its host copy (the GPU storage, no longer referenced, goes back to the allocator) and prefetching
+    points it at fresh GPU memory. ``optimizer.state``, ``param_groups`` and outside references stay
+    valid, and while offloaded a tensor is a CPU tensor with the right values: code that reads it gets
+    the right numbers (after ``host_copies_ready()``), code that mixes it with GPU tensors gets a device
+    error, and a write to it (a checkpoint load) lands in the host copy that the next prefetch brings back.
     NOTE: the set of tensors is looked up again at every ``offload()``: Adam creates its moments at the
     first step, and a state-dict load may replace them. Host slabs are re-made only when that set
     changes, which in training happens once.
@@ -203,7 +206,7 @@ class OptimizerStateOffloader:
     # -------------------------------------------------------------------------------- transfers
     @torch.no_grad()
     def offload(self) -> None:
-        """Copy the state to host memory on a side stream and free its device memory. Idempotent."""
+        """Copy the state to host memory on a side stream and release its device memory. Idempotent."""
         if self._offloaded:
             return
         self.wait()  # a copy-in still in flight must land before we copy out and free
@@ -217,12 +220,12 @@ class OptimizerStateOffloader:
             offload_stream.wait_stream(torch.cuda.current_stream(self._device))
         with self._timed("offload", self._offload_stream):
             for entry in self._entries:
-                entry.host.copy_(entry.device_tensor, non_blocking=True)
+                entry.host.copy_(entry.tensor, non_blocking=True)
         for entry in self._entries:
             if self._on_cuda:
                 # The allocator must not hand this memory to new work until the copy out has read it.
-                entry.device_tensor.record_stream(self._offload_stream)
-            entry.device_tensor.untyped_storage().resize_(0)
+                entry.tensor.record_stream(self._offload_stream)
+            entry.tensor.data = entry.host  # drops the last reference to the GPU storage
         self._offloaded = True
         moved = sum(entry.nbytes for entry in self._entries)
         self.stats.offloads += 1
@@ -231,26 +234,21 @@ class OptimizerStateOffloader:
 
     @torch.no_grad()
     def prefetch(self) -> None:
-        """Re-allocate the state on the device and start copying it back on a side stream.
+        """Allocate the state on the device again and start copying it back on a side stream.
 
         Returns at once; ``wait()`` orders the compute stream after the copy. Does nothing when the
         state is resident or a copy-in is already in flight.
         """
         if not self._offloaded:
             return
-        grown: list[_Entry] = []
         try:
-            for entry in self._entries:
-                # Allocated on the compute stream, so the memory is ordered after its earlier users.
-                entry.device_tensor.untyped_storage().resize_(entry.nbytes)
-                grown.append(entry)
+            # Allocated on the compute stream, so the memory is ordered after its earlier users there.
+            fresh = [torch.empty_like(entry.host, device=self._device) for entry in self._entries]
         except torch.OutOfMemoryError as error:
-            for entry in grown:
-                entry.device_tensor.untyped_storage().resize_(0)
             needed = sum(entry.nbytes for entry in self._entries)
             raise torch.OutOfMemoryError(
                 f"megatron-offload: not enough GPU memory to bring back {needed / 1024**3:.2f} GiB of "
-                "optimizer state for the step; the state is still safe in host memory. Reduce the "
+                "optimizer state for the step; the state is still whole in host memory. Reduce the "
                 "micro-batch size or activation memory, or keep master weights resident with "
                 f"--no-offload-master-weights. ({error})"
             ) from error
@@ -261,8 +259,10 @@ class OptimizerStateOffloader:
             # The host copy written by the last offload must be complete before we read it.
             prefetch_stream.wait_event(self._offload_done)
         with self._timed("prefetch", self._prefetch_stream) as done:
-            for entry in self._entries:
-                entry.device_tensor.copy_(entry.host, non_blocking=True)
+            for entry, memory in zip(self._entries, fresh, strict=True):
+                memory.copy_(entry.host, non_blocking=True)
+        for entry, memory in zip(self._entries, fresh, strict=True):
+            entry.tensor.data = memory
         self._prefetch_done = done
         self._offloaded = False
         self.stats.prefetches += 1
@@ -274,9 +274,19 @@ class OptimizerStateOffloader:
         the compute stream after it. No host synchronization."""
         self.prefetch()
         if self._prefetch_done is not None:
+            compute = torch.cuda.current_stream(self._device)
+            arrived, resumed = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            arrived.record(compute)
             # Work queued after this point (the optimizer step) must see the copied-in values.
-            torch.cuda.current_stream(self._device).wait_event(self._prefetch_done)
+            compute.wait_event(self._prefetch_done)
+            resumed.record(compute)  # arrived -> resumed is how long compute stood waiting for the copy
+            self._pending_timings.append(("exposed", arrived, resumed))
             self._prefetch_done = None
+
+    def host_copies_ready(self) -> None:
+        """Block the host until the last copy out has landed, so CPU code can read offloaded state."""
+        if self._offloaded and self._on_cuda and self._offload_done is not None:
+            self._offload_done.synchronize()
 
     def restore(self) -> None:
         """Bring everything back to the device for good, and free the host slabs (used at detach)."""
@@ -307,12 +317,8 @@ class OptimizerStateOffloader:
                 still_pending.append((kind, start, end))
                 continue
             seconds = start.elapsed_time(end) / 1000
-            if kind == "offload":
-                self.stats.offload_seconds += seconds
-                self.stats.last_offload_seconds = seconds
-            else:
-                self.stats.prefetch_seconds += seconds
-                self.stats.last_prefetch_seconds = seconds
+            setattr(self.stats, f"{kind}_seconds", getattr(self.stats, f"{kind}_seconds") + seconds)
+            setattr(self.stats, f"last_{kind}_seconds", seconds)
         self._pending_timings = still_pending
 
     def read_stats(self) -> OffloadStats:

@@ -33,6 +33,24 @@ CHECKED_MEGATRON_CORE_VERSIONS = ("0.16.1", "0.19.2")
 SUPPORTED_RANGE = (Version("0.14"), Version("0.20"))
 _HANDLE_ATTR = "_megatron_offload_handle"
 
+# DistributedOptimizer methods that read or write optimizer state outside step() (checkpointing,
+# reloading masters from the model, megatron-core's own offload_to_cpu). The state is brought back to
+# the GPU before each; it stays there until the next step ends, so a host copy is never older than
+# what a load wrote. The one exception is building the sharded state dict for a save: offloaded
+# tensors hold their values in host memory, so the save reads them there, with no GPU copy. Names
+# missing from a version are skipped.
+STATE_ACCESS_METHODS = (
+    "state_dict",
+    "load_state_dict",
+    "save_parameter_state",
+    "load_parameter_state",
+    "get_parameter_state_dp_zero",
+    "get_parameter_state_dp_reshardable",
+    "load_parameter_state_from_dp_zero",
+    "reload_model_params",
+    "offload_to_cpu",
+)
+
 
 def distributed_optimizers(optimizer: Any) -> list[Any]:
     """The DistributedOptimizers in ``optimizer`` (itself one, or a ChainedOptimizer of them)."""
@@ -212,8 +230,11 @@ def attach_offloader(optimizer: Any, config: OffloadConfig | None = None, **over
             check_host_memory=config.check_host_memory,
         )
         handle.offloaders.append(offloader)
-        # The inner Adam step must see the copied-back state: order it after the copy.
-        handle._wrap_method(dist_opt, "step_with_ready_grads", lambda inner, o=offloader: _after_wait(inner, o))
+        # The inner Adam step, and anything else that reads the state, must see the copied-back values.
+        for name in ("step_with_ready_grads", *STATE_ACCESS_METHODS):
+            if hasattr(dist_opt, name):
+                handle._wrap_method(dist_opt, name, lambda inner, o=offloader: _after_wait(inner, o))
+        handle._wrap_method(dist_opt, "sharded_state_dict", lambda inner, o=offloader: _save_from_host(inner, o))
     handle._wrap_method(optimizer, "step", handle._step_wrapper)
     handle._install_finalize_hooks()
     setattr(optimizer, _HANDLE_ATTR, handle)
@@ -226,9 +247,23 @@ def attach_offloader(optimizer: Any, config: OffloadConfig | None = None, **over
     return handle
 
 
-def _after_wait(step_with_ready_grads: Callable[[], bool], offloader: OptimizerStateOffloader) -> Callable[[], bool]:
-    def wait_then_step() -> bool:
+def _after_wait(method: Callable[..., Any], offloader: OptimizerStateOffloader) -> Callable[..., Any]:
+    def wait_then_call(*args: Any, **kwargs: Any) -> Any:
         offloader.wait()
-        return step_with_ready_grads()
+        return method(*args, **kwargs)
 
-    return wait_then_step
+    return wait_then_call
+
+
+def _save_from_host(sharded_state_dict: Callable[..., Any], offloader: OptimizerStateOffloader) -> Callable[..., Any]:
+    """For a save, let megatron-core read offloaded state from host memory; for a load, bring it back."""
+
+    def sharded_state_dict_from_host(*args: Any, **kwargs: Any) -> Any:
+        is_loading = kwargs.get("is_loading", args[1] if len(args) > 1 else False)
+        if is_loading:
+            offloader.wait()
+        else:
+            offloader.host_copies_ready()
+        return sharded_state_dict(*args, **kwargs)
+
+    return sharded_state_dict_from_host

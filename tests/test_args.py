@@ -115,3 +115,8 @@ def test_requires_adam(optimizer: str) -> None:
 def test_refuses_fsdp_and_optimizer_cuda_graph(attribute: str, flag: str) -> None:
     with pytest.raises(ValueError, match=f"cannot be combined with {flag}"):
         validate_offload_args(megatron_like_args(**{attribute: True}))
+
+
+def test_refuses_async_save_and_says_why() -> None:
+    with pytest.raises(ValueError, match="--async-save.*host buffers"):
+        validate_offload_args(megatron_like_args(async_save=True))

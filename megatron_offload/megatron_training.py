@@ -1,0 +1,112 @@
+"""Every touch of Megatron-LM's training loop (``megatron.training``, shipped in megatron-core wheels
+from 0.17 on). Checked against megatron-core 0.19.2.
+
+``install_training_hooks()`` makes an unmodified Megatron-LM script offload-aware by replacing four
+names in megatron.training's module namespaces (no source is changed), each wrapper calling the
+original:
+- ``arguments.parse_args``: our flags join Megatron's parser (unless the script already added them);
+- ``arguments.validate_args``: our rules run after Megatron's own;
+- ``training.get_megatron_optimizer``: the offloader is attached to the optimizer Megatron builds,
+  when ``--offload-optimizer-states`` is given;
+- ``training.print_rank_last``: the per-iteration log line gains the offload figures (on the rank
+  that prints it, Megatron's last rank; the figures are that rank's own).
+Without ``--offload-optimizer-states`` nothing behaves differently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from megatron_offload.args import add_offload_args, config_from_args, validate_offload_args
+from megatron_offload.megatron_adapter import OffloadHandle, attach_offloader
+from megatron_offload.report import MemoryReading, format_offload_fields
+
+__all__ = ["MissingMegatronTraining", "attached_handles", "install_training_hooks"]
+
+_handles: list[OffloadHandle] = []
+_installed = False
+
+
+class MissingMegatronTraining(ImportError):
+    """megatron.training is not installed (megatron-core wheels before 0.17 lack it)."""
+
+
+def attached_handles() -> list[OffloadHandle]:
+    """The offloaders attached by the hooks in this process (one per optimizer Megatron built)."""
+    return list(_handles)
+
+
+def _import_megatron_training() -> tuple[Any, Any, Any]:
+    try:
+        from megatron.training import arguments, global_vars, training
+    except ImportError as error:
+        raise MissingMegatronTraining(
+            "Megatron-LM's training loop (megatron.training) is not installed: megatron-core wheels ship "
+            "it from 0.17 on (checked: 0.19.2). Install megatron-core>=0.17, or use the library API "
+            "megatron_offload.attach_offloader(optimizer) with your own loop, which works from 0.14 on."
+        ) from error
+    return arguments, global_vars, training
+
+
+def _has_offload_flags(parser: argparse.ArgumentParser) -> bool:
+    return any("--offload-optimizer-states" in action.option_strings for action in parser._actions)
+
+
+def install_training_hooks() -> None:
+    """Hook megatron.training so scripts get the offload flags, checks, attachment and log figures."""
+    global _installed
+    if _installed:
+        return
+    arguments, global_vars, training = _import_megatron_training()
+
+    parse_args = arguments.parse_args
+
+    def parse_args_with_offload_flags(extra_args_provider: Callable | None = None, *args: Any, **kwargs: Any) -> Any:
+        def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+            if extra_args_provider is not None:
+                parser = extra_args_provider(parser)
+            return parser if _has_offload_flags(parser) else add_offload_args(parser)
+
+        return parse_args(provider, *args, **kwargs)
+
+    validate_args = arguments.validate_args
+
+    def validate_args_then_offload_flags(args: argparse.Namespace, *rest: Any, **kwargs: Any) -> Any:
+        result = validate_args(args, *rest, **kwargs)
+        validate_offload_args(args)
+        return result
+
+    get_megatron_optimizer = training.get_megatron_optimizer
+
+    def get_megatron_optimizer_and_attach(*args: Any, **kwargs: Any) -> Any:
+        optimizer = get_megatron_optimizer(*args, **kwargs)
+        megatron_args = global_vars.get_args()
+        if getattr(megatron_args, "offload_optimizer_states", False):
+            _handles.append(attach_offloader(optimizer, config_from_args(megatron_args)))
+        return optimizer
+
+    print_rank_last = training.print_rank_last
+    previous_stats: dict[int, Any] = {}
+
+    def print_rank_last_with_offload(message: Any) -> None:
+        if _handles and isinstance(message, str) and " iteration " in message and "consumed samples" in message:
+            for handle in _handles:
+                current = handle.read_stats()
+                before = previous_stats.get(id(handle), type(current)())
+                memory = MemoryReading(
+                    torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), torch.cuda.max_memory_allocated()
+                )
+                message += format_offload_fields(current, before, memory)
+                previous_stats[id(handle)] = dataclasses.replace(current)
+        print_rank_last(message)
+
+    arguments.parse_args = parse_args_with_offload_flags
+    arguments.validate_args = validate_args_then_offload_flags
+    training.get_megatron_optimizer = get_megatron_optimizer_and_attach
+    training.print_rank_last = print_rank_last_with_offload
+    _installed = True

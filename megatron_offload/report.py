@@ -1,0 +1,34 @@
+"""The offload figures appended to Megatron's per-iteration log line (no CUDA or Megatron needed)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_offload.engine import OffloadStats
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    """GPU memory of this rank, in bytes, as torch.cuda reports it."""
+
+    allocated: int
+    reserved: int
+    peak_allocated: int
+
+
+def format_offload_fields(current: OffloadStats, previous: OffloadStats, memory: MemoryReading) -> str:
+    """Fields in Megatron's ``name: value |`` style, averaged per step over the steps since ``previous``."""
+    steps = max(current.offloads - previous.offloads, 1)
+
+    def per_step_ms(name: str) -> float:
+        return (getattr(current, name) - getattr(previous, name)) / steps * 1000
+
+    return (
+        f" offloaded per rank (GiB): {current.host_bytes / GIB:.2f} |"
+        f" offload copy out/in (ms): {per_step_ms('offload_seconds'):.1f}/{per_step_ms('prefetch_seconds'):.1f} |"
+        f" offload exposed (ms): {per_step_ms('exposed_seconds'):.1f} |"
+        f" mem allocated/reserved/peak (GiB): {memory.allocated / GIB:.2f}/{memory.reserved / GIB:.2f}"
+        f"/{memory.peak_allocated / GIB:.2f} |"
+    )

@@ -1,0 +1,162 @@
+"""Integration runs of Megatron-LM's own training loop, as a table of named flag combinations.
+
+Each entry is a name, a GPU count and its runs; each run is a full training job (scripts/pretrain_gpt.py
+or the launcher), with or without --offload-optimizer-states, whose log is parsed for losses and
+memory. Checks per entry: losses identical to the entry's first run, lower peak memory with offload,
+and for the checkpoint entry an identical continuation after resume.
+
+    python scripts/integration.py --gpus 1 --out results/      # every 1-GPU entry
+    python scripts/integration.py --only dp2 tp2               # by name
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["scripts/pretrain_gpt.py", "--config", "configs/tiny.yaml", "--log-memory-interval", "20"]
+OFFLOAD = ["--offload-optimizer-states"]
+PLAIN_SCRIPT = "tests/gpu/plain_megatron_script.py"
+
+
+@dataclass
+class Entry:
+    name: str
+    gpus: int
+    runs: dict[str, list[str]]  # run name -> argv after `python` (or `torchrun ... `)
+    resume_from: str | None = None  # checkpoint entry: the run that saved
+    env: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def entries(checkpoint_dir: str) -> list[Entry]:
+    save = ["--save", checkpoint_dir, "--save-interval", "10", "--ckpt-format", "torch_dist"]
+    return [
+        Entry("tiny", 1, {"baseline": TINY, "offload": TINY + OFFLOAD}),
+        Entry(
+            "tiny-step-prefetch-no-masters",
+            1,
+            {
+                "baseline": TINY,
+                "offload": TINY + OFFLOAD + ["--offload-prefetch", "step", "--no-offload-master-weights"],
+            },
+        ),
+        Entry(
+            "launcher",
+            1,
+            {
+                "plain": [PLAIN_SCRIPT, *TINY[1:]],
+                "launcher-offload": ["-m", "megatron_offload.run", PLAIN_SCRIPT, *TINY[1:], *OFFLOAD],
+            },
+        ),
+        Entry(
+            "checkpoint",
+            1,
+            {"uninterrupted-save": TINY + OFFLOAD + save, "resumed": TINY + OFFLOAD + ["--load", checkpoint_dir]},
+            resume_from="uninterrupted-save",
+        ),
+        Entry("dp2", 2, {"baseline": TINY, "offload": TINY + OFFLOAD}),
+        Entry(
+            "tp2",
+            2,
+            {
+                "baseline": TINY + ["--tensor-model-parallel-size", "2"],
+                "offload": TINY + ["--tensor-model-parallel-size", "2"] + OFFLOAD,
+            },
+            env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"},  # megatron-core asserts it for TP > 1 on Hopper
+        ),
+    ]
+
+
+def parse_log(text: str) -> dict:
+    losses = {int(i): float(v) for i, v in re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+\-]+)", text)}
+    memory = re.findall(r"memory \(MB\) \| allocated: ([\d.]+) \| max allocated: ([\d.]+)", text)
+    offloaded = re.findall(r"offloaded per rank \(GiB\): ([\d.]+)", text)
+    copies = re.findall(r"offload copy out/in \(ms\): ([\d.]+)/([\d.]+) \| offload exposed \(ms\): ([\d.]+)", text)
+    return {
+        "losses": losses,
+        "max_allocated_MiB": float(memory[-1][1]) if memory else None,
+        "offloaded_GiB_per_rank": float(offloaded[-1]) if offloaded else None,
+        "copy_out_in_exposed_ms": [float(x) for x in copies[-1]] if copies else None,
+        "save_memory_lines": re.findall(r"\((?:before|after) save_checkpoint.*", text),
+    }
+
+
+def run(entry: Entry, run_name: str, argv: list[str], out: Path) -> dict:
+    launcher = [sys.executable]
+    if entry.gpus > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(entry.gpus)]
+    command = launcher + argv
+    log = out / f"{entry.name}-{run_name}.log"
+    print(f"[{entry.name}/{run_name}] {' '.join(command)}", flush=True)
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **entry.env})
+    log.write_text(result.stdout + result.stderr)
+    parsed = parse_log(result.stdout + result.stderr)
+    parsed["returncode"] = result.returncode
+    if result.returncode != 0:
+        print((result.stdout + result.stderr)[-3000:], flush=True)
+    return parsed
+
+
+def check(entry: Entry, results: dict[str, dict]) -> list[str]:
+    """Failures, as sentences; empty when the entry passed."""
+    failures = [f"{name} exited {r['returncode']}" for name, r in results.items() if r["returncode"] != 0]
+    if failures:
+        return failures
+    first_name, first = next(iter(results.items()))
+    for name, result in results.items():
+        if not result["losses"]:
+            failures.append(f"{name}: no losses in the log")
+        common = sorted(first["losses"].keys() & result["losses"].keys())
+        if entry.resume_from is None and result["losses"] != first["losses"]:
+            failures.append(f"{name}: losses differ from {first_name}")
+        resumed = entry.resume_from is not None and name != entry.resume_from
+        if resumed and (not common or any(first["losses"][i] != result["losses"][i] for i in common)):
+            failures.append(f"{name}: resumed losses differ from the uninterrupted run at {common}")
+    offloaded = [r for name, r in results.items() if r["offloaded_GiB_per_rank"] is not None]
+    baseline = [r for name, r in results.items() if r["offloaded_GiB_per_rank"] is None]
+    peaks = [runs[0]["max_allocated_MiB"] for runs in (baseline, offloaded) if runs]
+    if len(peaks) == 2 and None not in peaks and peaks[1] >= peaks[0]:
+        failures.append("peak allocated memory did not drop with offload")
+    return failures
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpus", type=int, help="run only entries for this many GPUs")
+    parser.add_argument("--only", nargs="*", help="entry names")
+    parser.add_argument("--out", type=Path, default=ROOT / "integration-results")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    checkpoint_dir = tempfile.mkdtemp(prefix="offload-ckpt-")
+    summary = {}
+    for entry in entries(checkpoint_dir):
+        if (args.gpus and entry.gpus != args.gpus) or (args.only and entry.name not in args.only):
+            continue
+        shutil.rmtree(checkpoint_dir, ignore_errors=True)
+        results = {name: run(entry, name, argv, args.out) for name, argv in entry.runs.items()}
+        failures = check(entry, results)
+        summary[entry.name] = {"gpus": entry.gpus, "failures": failures, "runs": results}
+    (args.out / "integration.json").write_text(json.dumps(summary, indent=1, default=str))
+    print(f"\n{'entry':32} {'runs':>4} {'iters':>5} {'peak MiB (runs)':>28} {'GiB/rank':>8}  verdict")
+    for name, item in summary.items():
+        runs = item["runs"].values()
+        peaks = "/".join(f"{r['max_allocated_MiB'] or 0:.0f}" for r in runs)
+        gib = next((r["offloaded_GiB_per_rank"] for r in runs if r["offloaded_GiB_per_rank"]), 0)
+        iters = max((len(r["losses"]) for r in runs), default=0)
+        verdict = "ok" if not item["failures"] else "FAIL: " + "; ".join(item["failures"])
+        print(f"{name:32} {len(item['runs']):>4} {iters:>5} {peaks:>28} {gib:>8.3f}  {verdict}")
+    return 0 if all(not item["failures"] for item in summary.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""The launcher, --config files and the log-line figures, without a GPU."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_offload import OffloadStats
+from megatron_offload.launch_config import expand_config_argv
+from megatron_offload.report import MemoryReading, format_offload_fields
+from megatron_offload.run import main as run_main
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_MEGATRON_TRAINING = importlib.util.find_spec("megatron.training") is not None
+
+
+def test_config_file_flags_come_before_the_command_line(tmp_path: Path) -> None:
+    config = tmp_path / "model.yaml"
+    config.write_text("num_layers: 4\nbf16: true\noffload-master-weights: false\neval_iters: [1, 2]\n")
+    argv = ["--lr", "1e-4", "--config", str(config), "--num-layers", "8"]
+    assert expand_config_argv(argv) == [
+        "--num-layers", "4", "--bf16", "--no-offload-master-weights", "--eval-iters", "1", "2",
+        "--lr", "1e-4", "--num-layers", "8",
+    ]  # fmt: skip
+    assert expand_config_argv([f"--config={config}"])[:2] == ["--num-layers", "4"]
+    assert expand_config_argv(["--lr", "1"]) == ["--lr", "1"]
+
+
+@pytest.mark.parametrize(
+    "text, message", [("- a\n- b\n", "expected a mapping"), ("lr:\n", "has no value"), ("a: {b: 1}\n", "mapping")]
+)
+def test_bad_config_files_are_named(tmp_path: Path, text: str, message: str) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        expand_config_argv(["--config", str(config)])
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        expand_config_argv(["--config", str(tmp_path / "missing.yaml")])
+
+
+def test_shipped_configs_expand() -> None:
+    configs = sorted((ROOT / "configs").glob("*.yaml"))
+    assert configs, "configs/ holds no YAML files"
+    for config in configs:
+        flags = expand_config_argv(["--config", str(config)])
+        assert flags and all(flag.startswith("--") for flag in flags[:1])
+
+
+def test_log_fields_average_over_the_interval() -> None:
+    before = OffloadStats(offloads=10, offload_seconds=1.0, prefetch_seconds=2.0, exposed_seconds=0.5)
+    now = OffloadStats(
+        offloads=12, offload_seconds=1.2, prefetch_seconds=2.3, exposed_seconds=0.6, host_bytes=3 * 1024**3
+    )
+    fields = format_offload_fields(now, before, MemoryReading(1024**3, 2 * 1024**3, 5 * 1024**3))
+    assert "offloaded per rank (GiB): 3.00 |" in fields
+    assert "offload copy out/in (ms): 100.0/150.0 |" in fields
+    assert "offload exposed (ms): 50.0 |" in fields
+    assert "mem allocated/reserved/peak (GiB): 1.00/2.00/5.00 |" in fields
+
+
+def test_launcher_usage_and_missing_script(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_main([]) == 2
+    assert "usage: python -m megatron_offload.run SCRIPT" in capsys.readouterr().err
+    assert run_main(["--help"]) == 0
+    assert "--offload-optimizer-states" in capsys.readouterr().out
+    assert run_main(["no/such/script.py"]) == 2
+    assert "no such script" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(HAS_MEGATRON_TRAINING, reason="megatron.training is installed here; the GPU tests run it")
+def test_launcher_explains_missing_megatron_training(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('the script must not run')\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "megatron_offload.run", str(script)], capture_output=True, text=True, cwd=ROOT
+    )
+    assert result.returncode == 2
+    assert "megatron.training" in result.stderr and "0.17" in result.stderr and "attach_offloader" in result.stderr
+
+
+@pytest.mark.skipif(HAS_MEGATRON_TRAINING, reason="megatron.training is installed here; the GPU tests run it")
+def test_pretrain_script_explains_missing_megatron_training() -> None:
+    result = subprocess.run(
+        [sys.executable, "scripts/pretrain_gpt.py", "--help"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert result.returncode != 0
+    assert "0.17" in result.stderr + result.stdout
