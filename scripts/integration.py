@@ -92,9 +92,8 @@ def parse_log(text: str) -> dict:
 
 
 def run(entry: Entry, run_name: str, argv: list[str], out: Path) -> dict:
-    launcher = [sys.executable]
-    if entry.gpus > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(entry.gpus)]
+    # Megatron initializes torch.distributed from torchrun's environment, on one GPU too.
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(entry.gpus)]
     command = launcher + argv
     log = out / f"{entry.name}-{run_name}.log"
     print(f"[{entry.name}/{run_name}] {' '.join(command)}", flush=True)
