@@ -10,7 +10,10 @@ original:
   when ``--offload-optimizer-states`` is given;
 - ``training.print_rank_last``: the per-iteration log line gains the offload figures (on the rank
   that prints it, Megatron's last rank; the figures are that rank's own).
-Without ``--offload-optimizer-states`` nothing behaves differently.
+Without ``--offload-optimizer-states`` nothing behaves differently, with one exception that fixes a
+crash of the wheels themselves: megatron-core wheels ship the dataset helpers prebuilt
+(``helpers_cpp``) but not the Makefile that Megatron's start-up ``compile_helpers()`` runs, so every
+run from a wheel exits there. When the prebuilt module imports, that compile step is skipped.
 """
 
 from __future__ import annotations
@@ -55,6 +58,20 @@ def _import_megatron_training() -> tuple[Any, Any, Any]:
 
 def _has_offload_flags(parser: argparse.ArgumentParser) -> bool:
     return any("--offload-optimizer-states" in action.option_strings for action in parser._actions)
+
+
+def _skip_compile_when_prebuilt() -> None:
+    from megatron.core.datasets import utils as dataset_utils
+
+    compile_helpers = dataset_utils.compile_helpers
+
+    def compile_helpers_unless_prebuilt() -> None:
+        try:
+            from megatron.core.datasets import helpers_cpp  # noqa: F401
+        except ImportError:
+            compile_helpers()
+
+    dataset_utils.compile_helpers = compile_helpers_unless_prebuilt
 
 
 def install_training_hooks() -> None:
@@ -105,6 +122,7 @@ def install_training_hooks() -> None:
                 previous_stats[id(handle)] = dataclasses.replace(current)
         print_rank_last(message)
 
+    _skip_compile_when_prebuilt()
     arguments.parse_args = parse_args_with_offload_flags
     arguments.validate_args = validate_args_then_offload_flags
     training.get_megatron_optimizer = get_megatron_optimizer_and_attach
