@@ -32,6 +32,7 @@ __all__ = ["CHECKED_MEGATRON_CORE_VERSIONS", "OffloadHandle", "attach_offloader"
 CHECKED_MEGATRON_CORE_VERSIONS = ("0.16.1", "0.19.2")
 SUPPORTED_RANGE = (Version("0.14"), Version("0.20"))
 _HANDLE_ATTR = "_megatron_offload_handle"
+_SAVING_ATTR = "_megatron_offload_serving_save"
 
 # DistributedOptimizer methods that read or write optimizer state outside step() (checkpointing,
 # reloading masters from the model, megatron-core's own offload_to_cpu). The state is brought back to
@@ -249,7 +250,8 @@ def attach_offloader(optimizer: Any, config: OffloadConfig | None = None, **over
 
 def _after_wait(method: Callable[..., Any], offloader: OptimizerStateOffloader) -> Callable[..., Any]:
     def wait_then_call(*args: Any, **kwargs: Any) -> Any:
-        offloader.wait()
+        if not getattr(offloader, _SAVING_ATTR, False):  # inside a save, reads are served from host memory
+            offloader.wait()
         return method(*args, **kwargs)
 
     return wait_then_call
@@ -262,8 +264,13 @@ def _save_from_host(sharded_state_dict: Callable[..., Any], offloader: Optimizer
         is_loading = kwargs.get("is_loading", args[1] if len(args) > 1 else False)
         if is_loading:
             offloader.wait()
-        else:
-            offloader.host_copies_ready()
-        return sharded_state_dict(*args, **kwargs)
+            return sharded_state_dict(*args, **kwargs)
+        offloader.host_copies_ready()
+        # megatron-core calls state_dict() and get_parameter_state_*() from here: let them read the host copies.
+        setattr(offloader, _SAVING_ATTR, True)
+        try:
+            return sharded_state_dict(*args, **kwargs)
+        finally:
+            setattr(offloader, _SAVING_ATTR, False)
 
     return sharded_state_dict_from_host

@@ -66,6 +66,14 @@ def entries(checkpoint_dir: str) -> list[Entry]:
             {"uninterrupted-save": TINY + OFFLOAD + save, "resumed": TINY + OFFLOAD + ["--load", checkpoint_dir]},
             resume_from="uninterrupted-save",
         ),
+        # Megatron-LM's own resume with torch AdamW (no TransformerEngine/apex), without offloading: shows
+        # whether a failure of the entry above is megatron-core's or ours.
+        Entry(
+            "checkpoint-no-offload",
+            1,
+            {"uninterrupted-save": TINY + save, "resumed": TINY + ["--load", checkpoint_dir]},
+            resume_from="uninterrupted-save",
+        ),
         Entry("dp2", 2, {"baseline": TINY, "offload": TINY + OFFLOAD}),
         Entry(
             "tp2",
@@ -125,6 +133,13 @@ def check(entry: Entry, results: dict[str, dict]) -> list[str]:
             failures.append(f"{name}: resumed losses differ from the uninterrupted run at {common}")
     offloaded = [r for name, r in results.items() if r["offloaded_GiB_per_rank"] is not None]
     baseline = [r for name, r in results.items() if r["offloaded_GiB_per_rank"] is None]
+    for name, result in results.items():
+        saves = [
+            float(x)
+            for x in re.findall(r"save_checkpoint.*?allocated: ([\d.]+)", "\n".join(result["save_memory_lines"]))
+        ]
+        if result["offloaded_GiB_per_rank"] and len(saves) >= 2 and saves[1] > saves[0] + 1:
+            failures.append(f"{name}: GPU memory grew during the save ({saves[0]:.0f} -> {saves[1]:.0f} MiB)")
     peaks = [runs[0]["max_allocated_MiB"] for runs in (baseline, offloaded) if runs]
     if len(peaks) == 2 and None not in peaks and peaks[1] >= peaks[0]:
         failures.append("peak allocated memory did not drop with offload")
