@@ -32,7 +32,7 @@ __all__ = ["CHECKED_MEGATRON_CORE_VERSIONS", "OffloadHandle", "attach_offloader"
 CHECKED_MEGATRON_CORE_VERSIONS = ("0.16.1", "0.19.2")
 SUPPORTED_RANGE = (Version("0.14"), Version("0.20"))
 _HANDLE_ATTR = "_megatron_offload_handle"
-_SAVING_ATTR = "_megatron_offload_serving_save"
+_saving: set[int] = set()  # id() of each offloader whose sharded_state_dict is building a save right now
 
 # DistributedOptimizer methods that read or write optimizer state outside step() (checkpointing,
 # reloading masters from the model, megatron-core's own offload_to_cpu). The state is brought back to
@@ -250,7 +250,7 @@ def attach_offloader(optimizer: Any, config: OffloadConfig | None = None, **over
 
 def _after_wait(method: Callable[..., Any], offloader: OptimizerStateOffloader) -> Callable[..., Any]:
     def wait_then_call(*args: Any, **kwargs: Any) -> Any:
-        if not getattr(offloader, _SAVING_ATTR, False):  # inside a save, reads are served from host memory
+        if id(offloader) not in _saving:  # inside a save, reads are served from host memory
             offloader.wait()
         return method(*args, **kwargs)
 
@@ -267,10 +267,10 @@ def _save_from_host(sharded_state_dict: Callable[..., Any], offloader: Optimizer
             return sharded_state_dict(*args, **kwargs)
         offloader.host_copies_ready()
         # megatron-core calls state_dict() and get_parameter_state_*() from here: let them read the host copies.
-        setattr(offloader, _SAVING_ATTR, True)
+        _saving.add(id(offloader))
         try:
             return sharded_state_dict(*args, **kwargs)
         finally:
-            setattr(offloader, _SAVING_ATTR, False)
+            _saving.discard(id(offloader))
 
     return sharded_state_dict_from_host
