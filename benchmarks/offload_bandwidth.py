@@ -1,5 +1,8 @@
-"""Side by side on one GPU: a megatron-core GPT trained without and with offloading, plus the raw
-pinned copy bandwidth of the same machine, so the offloader's copies can be read as a fraction of it.
+"""Side-by-side benchmark on one GPU, in one process: a megatron-core GPT trained with no offload, with
+our offload under each prefetch policy, with a naive synchronous offload (everything copied back before
+the step and out after it, nothing overlapped: the floor a smarter scheme must beat) and with
+megatron-core's HybridDeviceOptimizer (Adam on the CPU); plus plain pinned copies of the same size, so
+the offloader's copies can be read as a fraction of what the link gives.
 
     PYTHONPATH=/tmp/site:. python benchmarks/offload_bandwidth.py --json results.json
 """
@@ -11,26 +14,47 @@ import gc
 import json
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from megatron_offload import attach_offloader
 from megatron_offload.host_memory import HostSlab
-from tests.gpu.harness import GPTShape, build_gpt_training, init_distributed
+from tests.gpu.harness import GPTShape, GPTTraining, build_gpt_training, init_distributed
 
-GB = 1e9
+GB, GIB = 1e9, 2**30
+
+SHAPES = {
+    # a micro-batch's forward is far shorter than one one-way copy (fine-tuning-like)
+    "short-forward": GPTShape(num_layers=8, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=16),
+    # many tokens per micro-batch: forward longer than one one-way copy (pretraining-like)
+    "long-forward": GPTShape(
+        num_layers=4,
+        hidden_size=2048,
+        ffn_hidden_size=8192,
+        num_attention_heads=16,
+        seq_length=2048,
+        micro_batch_size=12,
+    ),  # fmt: skip
+}
+HYBRID = {  # megatron-core's --optimizer-cpu-offload, whole state on the CPU
+    "optimizer_cpu_offload": True,
+    "use_precision_aware_optimizer": True,
+    "optimizer_offload_fraction": 1.0,
+    "overlap_cpu_optimizer_d2h_h2d": True,
+}
 
 
 def pinned_bandwidth(nbytes: int, repeats: int = 5) -> dict[str, float]:
     """Median GB/s of plain pinned copies of ``nbytes``: each direction alone, and both at once."""
     slab = HostSlab(nbytes // 4, torch.float32, pin=True)  # the slab unpins when dropped: keep it
     assert slab.pinned, "could not pin host memory for the bandwidth reference"
-    host = slab.tensor
-    device = torch.empty_like(host, device="cuda").normal_()
+    host, device = slab.tensor, torch.empty(nbytes // 4, device="cuda").normal_()
     device_in = torch.empty_like(device)
     streams = torch.cuda.Stream(), torch.cuda.Stream()
 
-    def timed(copies: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Stream]]) -> float:
+    def seconds(copies: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Stream]]) -> float:
         torch.cuda.synchronize()
         start = time.perf_counter()
         for destination, source, stream in copies:
@@ -39,24 +63,46 @@ def pinned_bandwidth(nbytes: int, repeats: int = 5) -> dict[str, float]:
         torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    out = [(host, device, streams[0])]
-    back = [(device_in, host, streams[1])]
-    results = {}
+    out, back = [(host, device, streams[0])], [(device_in, host, streams[1])]
+    result = {}
     for name, copies in (("d2h", out), ("h2d", back), ("both", out + back)):
-        seconds = statistics.median(timed(copies) for _ in range(repeats))
-        results[f"{name}_GBps"] = nbytes / seconds / GB * (2 if name == "both" else 1)
-    results["both_per_direction_GBps"] = results["both_GBps"] / 2
-    return results
+        result[f"{name}_GBps"] = nbytes * len(copies) / statistics.median(seconds(copies) for _ in range(repeats)) / GB
+    return result
 
 
-def run(shape: GPTShape, steps: int, offload: bool) -> dict[str, float]:
+def naive_offload(training: GPTTraining) -> Any:
+    """Everything back before the step and out after it, the host waiting each time."""
+    handle = attach_offloader(training.optimizer, prefetch="step")
+    offloading_step = training.optimizer.step
+
+    def blocking_step(*args: Any, **kwargs: Any) -> Any:
+        handle.wait()
+        torch.cuda.synchronize()
+        result = offloading_step(*args, **kwargs)
+        torch.cuda.synchronize()
+        return result
+
+    training.optimizer.step = blocking_step
+    return handle
+
+
+VARIANTS: dict[str, tuple[dict[str, Any], Callable[[GPTTraining], Any] | None]] = {
+    "no offload": ({}, None),
+    "offload, prefetch=finalize": ({}, lambda t: attach_offloader(t.optimizer, prefetch="finalize")),
+    "offload, prefetch=step": ({}, lambda t: attach_offloader(t.optimizer, prefetch="step")),
+    "naive synchronous offload": ({}, naive_offload),
+    "HybridDeviceOptimizer": (HYBRID, None),
+}
+
+
+def run(shape: GPTShape, steps: int, overrides: dict[str, Any], attach: Callable | None) -> dict[str, Any]:
     """Train ``steps`` iterations; memory figures count only what this run allocated."""
     gc.collect()
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
-    training = build_gpt_training(shape)
-    handle = attach_offloader(training.optimizer) if offload else None
-    step_seconds, offload_seconds, prefetch_seconds = [], [], []
+    training = build_gpt_training(shape, optimizer_overrides=overrides)
+    handle = attach(training) if attach else None
+    step_seconds, copy_seconds = [], []
     torch.cuda.reset_peak_memory_stats()
     for iteration in range(steps):
         torch.cuda.synchronize()
@@ -66,61 +112,63 @@ def run(shape: GPTShape, steps: int, offload: bool) -> dict[str, float]:
         step_seconds.append(time.perf_counter() - start)
         if handle is not None:
             stats = handle.read_stats()
-            offload_seconds.append(stats.last_offload_seconds)
-            prefetch_seconds.append(stats.last_prefetch_seconds)
-    result = {
+            copy_seconds.append((stats.last_offload_seconds, stats.last_prefetch_seconds, stats.last_exposed_seconds))
+    result: dict[str, Any] = {
         "median_step_s": statistics.median(step_seconds[2:]),
-        "peak_allocated_GiB": (torch.cuda.max_memory_allocated() - before) / 2**30,
-        "allocated_between_steps_GiB": (torch.cuda.memory_allocated() - before) / 2**30,
+        "peak_allocated_GiB": (torch.cuda.max_memory_allocated() - before) / GIB,
+        "peak_reserved_GiB": torch.cuda.max_memory_reserved() / GIB,
+        "allocated_between_steps_GiB": (torch.cuda.memory_allocated() - before) / GIB,
     }
     if handle is not None:
-        stats = handle.read_stats()
-        result |= {
-            "offloaded_GB": stats.gpu_bytes_freed / GB,
-            "offload_copy_s": statistics.median(offload_seconds[2:]),
-            "prefetch_copy_s": statistics.median(prefetch_seconds[2:]),
-            "pinned": stats.pinned,
-        }
+        out, back, exposed = (statistics.median(column) for column in zip(*copy_seconds[2:], strict=True))
+        offloaded = handle.read_stats().gpu_bytes_freed
+        result |= {"offloaded_GB": offloaded / GB, "copy_out_s": out, "copy_back_s": back, "exposed_s": exposed}
+        result |= {"copy_out_GBps": offloaded / out / GB, "copy_back_GBps": offloaded / back / GB}
         handle.detach()
     return result
+
+
+def bench_shape(shape: GPTShape, steps: int) -> dict[str, Any]:
+    rows: dict[str, Any] = {}
+    for name, (overrides, attach) in VARIANTS.items():
+        try:
+            rows[name] = run(shape, steps, overrides, attach)
+        except Exception as error:  # a reference that cannot run here is reported, not fatal
+            rows[name] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+        print(name, json.dumps(rows[name], default=str), flush=True)
+    base = rows["no offload"]
+    for row in rows.values():
+        if "error" not in row:
+            row["step_time_ratio"] = row["median_step_s"] / base["median_step_s"]
+            row["peak_saving_GiB"] = base["peak_allocated_GiB"] - row["peak_allocated_GiB"]
+            row["between_steps_saving_GiB"] = base["allocated_between_steps_GiB"] - row["allocated_between_steps_GiB"]
+    ours = rows["offload, prefetch=finalize"]
+    pinned = pinned_bandwidth(int(ours["offloaded_GB"] * GB))
+    # fwd+bwd of one micro-batch is about 3 forwards; the step's own time is small beside them
+    forward_s = base["median_step_s"] / (3 * shape.num_micro_batches)
+    return {
+        "shape": vars(shape),
+        "pinned_copy": pinned,
+        "estimated_forward_per_micro_batch_s": forward_s,
+        "one_way_copy_s": ours["copy_out_s"],
+        "variants": rows,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     init_distributed()
-    shape = GPTShape(
-        num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=4 * args.hidden, num_attention_heads=16
-    )
-    baseline = run(shape, args.steps, offload=False)
-    offloaded = run(shape, args.steps, offload=True)
-    nbytes = int(offloaded["offloaded_GB"] * GB)
-    pinned = pinned_bandwidth(nbytes)
-    offload_GBps = offloaded["offloaded_GB"] / offloaded["offload_copy_s"]
-    prefetch_GBps = offloaded["offloaded_GB"] / offloaded["prefetch_copy_s"]
-    summary = {
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "shape": vars(shape) if hasattr(shape, "__dict__") else str(shape),
-        "baseline": baseline,
-        "offload": offloaded,
-        "pinned_copy": pinned,
-        "offload_GBps": offload_GBps,
-        "prefetch_GBps": prefetch_GBps,
-        "offload_fraction_of_pinned_d2h": offload_GBps / pinned["d2h_GBps"],
-        "prefetch_fraction_of_pinned_h2d": prefetch_GBps / pinned["h2d_GBps"],
-        "step_time_ratio": offloaded["median_step_s"] / baseline["median_step_s"],
-        "allocated_saving_GiB": baseline["allocated_between_steps_GiB"] - offloaded["allocated_between_steps_GiB"],
-        "peak_saving_GiB": baseline["peak_allocated_GiB"] - offloaded["peak_allocated_GiB"],
-    }
-    print(json.dumps(summary, indent=2, default=str))
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": {}}
+    for name in args.shapes:
+        results["shapes"][name] = bench_shape(SHAPES[name], args.steps)
+    print(json.dumps(results, indent=1, default=str))
     if args.json:
         with open(args.json, "w") as file:
-            json.dump(summary, file, indent=2, default=str)
+            json.dump(results, file, indent=1, default=str)
 
 
 if __name__ == "__main__":

@@ -11,26 +11,34 @@ from pathlib import Path
 def main(folder: Path) -> None:
     device = (folder / "device.txt").read_text().strip() if (folder / "device.txt").exists() else "?"
     print(f"\ndevice: {device}")
-    header = "mcore    tests(pass/fail/skip)  freed GB  d2h GB/s (of pinned)  h2d GB/s (of pinned)  step x  peak -GiB"
-    print(header)
     for xml in sorted(folder.glob("pytest-*.xml")):
-        version = xml.stem.removeprefix("pytest-")
         suite = ElementTree.parse(xml).getroot()
         suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
         total, failed = int(suite.get("tests")), int(suite.get("failures")) + int(suite.get("errors"))
         skipped = int(suite.get("skipped"))
-        tests = f"{total - failed - skipped}/{failed}/{skipped}"
-        bench = folder / f"bench-{version}.json"
-        if not bench.exists():
-            print(f"{version:8} {tests:22} (no benchmark)")
-            continue
-        b = json.loads(bench.read_text())
-        d2h = f"{b['offload_GBps']:.1f} ({b['offload_fraction_of_pinned_d2h']:.0%})"
-        h2d = f"{b['prefetch_GBps']:.1f} ({b['prefetch_fraction_of_pinned_h2d']:.0%})"
-        print(
-            f"{version:8} {tests:22} {b['offload']['offloaded_GB']:8.2f}  {d2h:20}  {h2d:20}  "
-            f"{b['step_time_ratio']:6.3f}  {b['peak_saving_GiB']:.2f}"
-        )
+        print(f"megatron-core {xml.stem.removeprefix('pytest-')}: {total - failed - skipped} passed, {failed} failed, "
+              f"{skipped} skipped")  # fmt: skip
+    for bench in sorted(folder.glob("bench-*.json")):
+        results = json.loads(bench.read_text())
+        for shape_name, shape in results["shapes"].items():
+            pinned, forward_ms = shape["pinned_copy"], shape["estimated_forward_per_micro_batch_s"] * 1e3
+            print(
+                f"\n{bench.stem} {shape_name}: forward/micro-batch ~{forward_ms:.0f} ms, "
+                f"one-way copy {shape['one_way_copy_s'] * 1e3:.0f} ms; pinned d2h/h2d/both "
+                f"{pinned['d2h_GBps']:.1f}/{pinned['h2d_GBps']:.1f}/{pinned['both_GBps']:.1f} GB/s"
+            )
+            print(f"{'variant':28} {'step ms':>8} {'x base':>7} {'peak GiB':>9} {'peak -GiB':>9} {'out/in GB/s':>16}")
+            for name, row in shape["variants"].items():
+                if "error" in row:
+                    print(f"{name:28} not run: {row['error'][:90]}")
+                    continue
+                copies = ""
+                if "copy_out_GBps" in row:
+                    copies = f"{row['copy_out_GBps']:.1f}/{row['copy_back_GBps']:.1f}"
+                print(
+                    f"{name:28} {row['median_step_s'] * 1e3:8.1f} {row['step_time_ratio']:7.3f} "
+                    f"{row['peak_allocated_GiB']:9.2f} {row['peak_saving_GiB']:9.2f} {copies:>16}"
+                )
 
 
 def integration_table(folder: Path) -> None:

@@ -169,6 +169,7 @@ def build_gpt_training(
     overlap_param_gather: bool = False,
     loss_scale: float | None = None,
     bucket_size: int | None = None,
+    optimizer_overrides: dict[str, Any] | None = None,
 ) -> GPTTraining:
     """Build a bf16 GPTModel (local spec) in DDP with the distributed optimizer, as Megatron-LM does.
 
@@ -227,6 +228,7 @@ def build_gpt_training(
             bf16=True,
             use_distributed_optimizer=True,
             loss_scale=loss_scale,
+            **(optimizer_overrides or {}),
         ),
         model,
     )
