@@ -14,6 +14,7 @@ setup(
     extras_require={
         "te": ["transformer-engine[pytorch]"],
         "apex": ["apex"],
-        "test": ["pytest>=8", "ruff", "pyyaml"],
+        "test": ["pytest>=8", "ruff", "pyyaml", "matplotlib", "rich"],
+        "nightly": ["matplotlib", "rich", "pyyaml"],
     },
 )

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The nightly CI job: baseline, --offload-optimizer-states and --optimizer-cpu-offload runs of the nightly
+# config, a report (report.md/json, two plots) and a verdict; exits with compare_memory.py's status
+# (0 pass, 1 a threshold failed, 2 usage error or the baseline/offload run failed).
+#   usage: bash scripts/nightly_memory.sh [EXTRA MEGATRON ARGS...]
+#   env:   OUT=nightly-memory/YYYY-MM-DD  GPUS=1  ITERS=(the config's)  CONFIG=configs/nightly_memory.yaml
+#          THRESHOLDS=configs/nightly_thresholds.yaml  PYTHON=(.venv-gpu/bin/python if present, else python3)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-$([ -x .venv-gpu/bin/python ] && echo .venv-gpu/bin/python || echo python3)}
+export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # as device_check.sh; the tool sets NCCL's
+options=(--config "${CONFIG:-configs/nightly_memory.yaml}" --out "${OUT:-nightly-memory/$(date +%F)}"
+  --gpus "${GPUS:-1}" --thresholds "${THRESHOLDS:-configs/nightly_thresholds.yaml}")
+[ -n "${ITERS:-}" ] && options+=(--iters "$ITERS")
+exec "$python" scripts/compare_memory.py "${options[@]}" -- "$@"
