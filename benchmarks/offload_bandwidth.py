@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
+from importlib.metadata import version
 from typing import Any
 
 import torch
@@ -162,7 +164,13 @@ def main() -> None:
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     init_distributed()
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": {}}
+    results = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "megatron_core": version("megatron-core"),
+        "commit": os.environ.get("MEGATRON_OFFLOAD_COMMIT", "unknown"),  # the device's tree has no .git
+        "shapes": {},
+    }
     for name in args.shapes:
         results["shapes"][name] = bench_shape(SHAPES[name], args.steps)
     print(json.dumps(results, indent=1, default=str))

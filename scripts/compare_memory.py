@@ -183,7 +183,7 @@ def environment() -> dict[str, str | None]:
         except (OSError, subprocess.CalledProcessError):
             return None
 
-    commit = output(["git", "rev-parse", "HEAD"])
+    commit = output(["git", "rev-parse", "HEAD"]) or os.environ.get("MEGATRON_OFFLOAD_COMMIT")
     if commit and output(["git", "status", "--porcelain", "--untracked-files=no"]):
         commit += " (with uncommitted changes)"
     names = (output(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]) or "").splitlines()

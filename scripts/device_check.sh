@@ -13,6 +13,8 @@ rm -rf "$results" && mkdir -p "$results"
 versions=("$@")
 [ ${#versions[@]} -gt 0 ] || versions=($(ls -d .whl/mcore-* 2>/dev/null | sed 's|.whl/mcore-||' | sort -V))
 [ ${#versions[@]} -gt 0 ] || { echo "no megatron-core wheels under .whl/: run ../shared/device/fetch-wheels.sh"; exit 2; }
+# The device machine's copy of the tree has no .git: pass the commit in, e.g. MEGATRON_OFFLOAD_COMMIT=$(git rev-parse --short HEAD)
+export MEGATRON_OFFLOAD_COMMIT=${MEGATRON_OFFLOAD_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 gpus=${GPUS:-$(python3 -c 'import torch; print(min(torch.cuda.device_count(), 2))')}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$results/device.txt"
