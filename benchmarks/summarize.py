@@ -42,17 +42,10 @@ def main(folder: Path) -> None:
 
 
 def integration_table(folder: Path) -> None:
-    path = folder / "integration" / "integration.json"
-    if not path.exists():
-        return
-    print("\nintegration entry                 GPUs  peak MiB per run         GiB/rank  exposed ms  verdict")
-    for name, item in json.loads(path.read_text()).items():
-        runs = list(item["runs"].values())
-        peaks = "/".join(f"{r['max_allocated_MiB'] or 0:.0f}" for r in runs)
-        gib = next((r["offloaded_GiB_per_rank"] for r in runs if r["offloaded_GiB_per_rank"]), 0)
-        exposed = next((r["copy_out_in_exposed_ms"][2] for r in runs if r["copy_out_in_exposed_ms"]), 0)
-        verdict = "ok" if not item["failures"] else "FAIL: " + "; ".join(item["failures"])
-        print(f"{name:33} {item['gpus']:4}  {peaks:23}  {gib:8.3f}  {exposed:10.1f}  {verdict}")
+    """The table scripts/integration.py wrote, if it ran."""
+    table = folder / "integration" / "table.txt"
+    if table.exists():
+        print("\nintegration runs\n" + table.read_text(), end="")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from memory_report import parse_log as parse_megatron_log  # scripts/ is on sys.path when run as a script
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["scripts/pretrain_gpt.py", "--config", "configs/tiny.yaml", "--log-memory-interval", "20"]
 OFFLOAD = ["--offload-optimizer-states"]
@@ -88,16 +90,19 @@ def entries(checkpoint_dir: str) -> list[Entry]:
 
 
 def parse_log(text: str) -> dict:
-    losses = {int(i): float(v) for i, v in re.findall(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+\-]+)", text)}
-    memory = re.findall(r"memory \(MB\) \| allocated: ([\d.]+) \| max allocated: ([\d.]+)", text)
-    offloaded = re.findall(r"offloaded per rank \(GiB\): ([\d.]+)", text)
-    copies = re.findall(r"offload copy out/in \(ms\): ([\d.]+)/([\d.]+) \| offload exposed \(ms\): ([\d.]+)", text)
+    """What the checks read from one run's log (Megatron's lines parsed by memory_report.parse_log)."""
+    log = parse_megatron_log(text)
+    rank = log.memory_rank
+    memory = log.memory[rank][max(log.memory[rank])] if rank is not None else None
+    last = log.steps[max(log.steps)] if log.steps else None
+    offloaded = last is not None and last.offloaded_gib is not None
     return {
-        "losses": losses,
-        "max_allocated_MiB": float(memory[-1][1]) if memory else None,
-        "offloaded_GiB_per_rank": float(offloaded[-1]) if offloaded else None,
-        "copy_out_in_exposed_ms": [float(x) for x in copies[-1]] if copies else None,
-        "save_memory_lines": re.findall(r"\((?:before|after) save_checkpoint.*", text),
+        "losses": {i: step.loss for i, step in log.steps.items() if step.loss is not None},
+        "max_allocated_MiB": memory.max_allocated if memory else None,
+        "offloaded_GiB_per_rank": last.offloaded_gib if offloaded else None,
+        "copy_out_in_exposed_ms": [last.copy_out_ms, last.copy_in_ms, last.exposed_ms] if offloaded else None,
+        # Megatron reports memory "(before save_checkpoint ...)" and "(after ...)" around every save.
+        "save_allocated_MiB": [float(x) for x in re.findall(r"save_checkpoint.*?allocated: ([\d.]+)", text)],
     }
 
 
@@ -134,16 +139,31 @@ def check(entry: Entry, results: dict[str, dict]) -> list[str]:
     offloaded = [r for name, r in results.items() if r["offloaded_GiB_per_rank"] is not None]
     baseline = [r for name, r in results.items() if r["offloaded_GiB_per_rank"] is None]
     for name, result in results.items():
-        saves = [
-            float(x)
-            for x in re.findall(r"save_checkpoint.*?allocated: ([\d.]+)", "\n".join(result["save_memory_lines"]))
-        ]
+        saves = result["save_allocated_MiB"]
         if result["offloaded_GiB_per_rank"] and len(saves) >= 2 and saves[1] > saves[0] + 1:
             failures.append(f"{name}: GPU memory grew during the save ({saves[0]:.0f} -> {saves[1]:.0f} MiB)")
     peaks = [runs[0]["max_allocated_MiB"] for runs in (baseline, offloaded) if runs]
     if len(peaks) == 2 and None not in peaks and peaks[1] >= peaks[0]:
         failures.append("peak allocated memory did not drop with offload")
     return failures
+
+
+def render_table(summary: dict) -> str:
+    """One line per entry: runs, iterations, peak memory of each run, GiB offloaded per rank, verdict."""
+    lines = [
+        f"{'entry':32} {'GPUs':>4} {'iters':>5} {'peak MiB (runs)':>20} {'GiB/rank':>8} {'exposed ms':>10}  verdict"
+    ]
+    for name, item in summary.items():
+        runs = list(item["runs"].values())
+        peaks = "/".join(f"{r['max_allocated_MiB'] or 0:.0f}" for r in runs)
+        offloaded = next((r for r in runs if r["offloaded_GiB_per_rank"]), None)
+        gib, exposed = (
+            (offloaded["offloaded_GiB_per_rank"], offloaded["copy_out_in_exposed_ms"][2]) if offloaded else (0, 0)
+        )
+        iters = max((len(r["losses"]) for r in runs), default=0)
+        verdict = "ok" if not item["failures"] else "FAIL: " + "; ".join(item["failures"])
+        lines.append(f"{name:32} {item['gpus']:>4} {iters:>5} {peaks:>20} {gib:>8.3f} {exposed:>10.1f}  {verdict}")
+    return "\n".join(lines) + "\n"
 
 
 def main() -> int:
@@ -163,14 +183,9 @@ def main() -> int:
         failures = check(entry, results)
         summary[entry.name] = {"gpus": entry.gpus, "failures": failures, "runs": results}
     (args.out / "integration.json").write_text(json.dumps(summary, indent=1, default=str))
-    print(f"\n{'entry':32} {'runs':>4} {'iters':>5} {'peak MiB (runs)':>28} {'GiB/rank':>8}  verdict")
-    for name, item in summary.items():
-        runs = item["runs"].values()
-        peaks = "/".join(f"{r['max_allocated_MiB'] or 0:.0f}" for r in runs)
-        gib = next((r["offloaded_GiB_per_rank"] for r in runs if r["offloaded_GiB_per_rank"]), 0)
-        iters = max((len(r["losses"]) for r in runs), default=0)
-        verdict = "ok" if not item["failures"] else "FAIL: " + "; ".join(item["failures"])
-        print(f"{name:32} {len(item['runs']):>4} {iters:>5} {peaks:>28} {gib:>8.3f}  {verdict}")
+    table = render_table(summary)
+    (args.out / "table.txt").write_text(table)
+    print("\n" + table, end="")
     return 0 if all(not item["failures"] for item in summary.values()) else 1
 
 

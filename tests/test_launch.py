@@ -87,3 +87,22 @@ def test_pretrain_script_explains_missing_megatron_training() -> None:
     )
     assert result.returncode != 0
     assert "0.17" in result.stderr + result.stdout
+
+
+def test_integration_reads_losses_memory_and_offload_figures_from_megatron_logs() -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import integration
+
+    logs = ROOT / "tests" / "data" / "memory_logs"
+    baseline = integration.parse_log((logs / "baseline.log").read_text())
+    offload = integration.parse_log((logs / "offload.log").read_text())
+    assert baseline["losses"] and baseline["losses"] == offload["losses"]
+    assert baseline["offloaded_GiB_per_rank"] is None and offload["offloaded_GiB_per_rank"] > 0
+    assert offload["max_allocated_MiB"] < baseline["max_allocated_MiB"]
+    entry = integration.Entry("nightly-fixture", 1, {"baseline": [], "offload": []})
+    results = {"baseline": baseline | {"returncode": 0}, "offload": offload | {"returncode": 0}}
+    assert integration.check(entry, results) == []
+    table = integration.render_table({entry.name: {"gpus": 1, "failures": [], "runs": results}})
+    assert "nightly-fixture" in table and table.rstrip().endswith("ok")
+    bigger = results | {"offload": results["offload"] | {"max_allocated_MiB": baseline["max_allocated_MiB"] + 1}}
+    assert integration.check(entry, bigger) == ["peak allocated memory did not drop with offload"]
