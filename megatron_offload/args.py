@@ -38,9 +38,27 @@ def add_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     group.add_argument(
         "--offload-prefetch",
         choices=[policy.value for policy in PrefetchPolicy],
-        default=PrefetchPolicy.FINALIZE.value,
-        help="When the copy back to the GPU starts: 'finalize' when gradients are finalized after "
-        "backward (default), 'step' at the start of optimizer.step().",
+        default=PrefetchPolicy.AUTO.value,
+        help="When the state comes back to the GPU. 'auto' (default): during the last micro-batch's "
+        "backward, into memory backward has freed, and the rest streams through the optimizer step. "
+        "'finalize': all of it once backward is done. 'step': none ahead; the step streams it all, "
+        "holding only two chunks on the GPU (the smallest footprint).",
+    )
+    group.add_argument(
+        "--offload-chunk-mb",
+        type=float,
+        default=64.0,
+        metavar="MIB",
+        help="Size of the pieces the state moves in (default 64). The streamed optimizer step holds two "
+        "of them on the GPU; a parameter larger than this moves as one piece.",
+    )
+    group.add_argument(
+        "--offload-fraction",
+        type=float,
+        default=1.0,
+        metavar="F",
+        help="Offload this share of the optimizer state (0 to 1, default 1) and keep the rest on the "
+        "GPU: lower it when the job fits with less saving and you want less copying.",
     )
     group.add_argument(
         "--offload-host-memory-check",
@@ -100,6 +118,8 @@ def config_from_args(args: argparse.Namespace) -> OffloadConfig:
     """The OffloadConfig the flags describe (call ``validate_offload_args`` first)."""
     return OffloadConfig(
         offload_master_weights=getattr(args, "offload_master_weights", True),
-        prefetch=PrefetchPolicy(getattr(args, "offload_prefetch", PrefetchPolicy.FINALIZE.value)),
+        prefetch=PrefetchPolicy(getattr(args, "offload_prefetch", PrefetchPolicy.AUTO.value)),
+        chunk_mb=getattr(args, "offload_chunk_mb", 64.0),
+        fraction=getattr(args, "offload_fraction", 1.0),
         check_host_memory=getattr(args, "offload_host_memory_check", True),
     )

@@ -9,12 +9,16 @@ __all__ = ["OffloadConfig", "PrefetchPolicy"]
 
 
 class PrefetchPolicy(str, Enum):
-    """When the copy of the state back to the GPU starts."""
+    """When the copy of the state back to the GPU starts. Whatever has not come back by the step
+    streams through the pipelined step, chunk by chunk."""
 
+    AUTO = "auto"
+    """During the last micro-batch's backward, into memory that backward has freed (so the peak does
+    not rise); the rest streams through the step."""
     FINALIZE = "finalize"
-    """When gradients are finalized (backward done): the copy overlaps the gradient reduction."""
+    """All of it when gradients are finalized (backward done): the copy overlaps the gradient reduction."""
     STEP = "step"
-    """At the start of ``optimizer.step()``: the copy overlaps grad unscaling, norm and clipping."""
+    """None of it ahead: the step streams everything, holding at most two chunks on the GPU."""
 
 
 @dataclass(frozen=True)
@@ -23,8 +27,13 @@ class OffloadConfig:
 
     offload_master_weights: bool = True
     """Also offload the fp32 master weights, not only Adam's moments."""
-    prefetch: PrefetchPolicy = PrefetchPolicy.FINALIZE
+    prefetch: PrefetchPolicy = PrefetchPolicy.AUTO
     """When the copy back to the GPU starts; see ``PrefetchPolicy``."""
+    chunk_mb: float = 64.0
+    """Size of the pieces the state moves in, in MiB: whole parameters, so a parameter larger than
+    this makes a chunk of its own. The pipelined step holds two chunks on the GPU."""
+    fraction: float = 1.0
+    """Share of the state to offload (0 to 1, in whole chunks); the rest stays on the GPU."""
     pin_memory: bool = True
     """Pin the host buffers (fast, asynchronous copies); off only for tests on machines without CUDA."""
     check_host_memory: bool = True
@@ -39,3 +48,9 @@ class OffloadConfig:
                 raise ValueError(
                     f"--offload-prefetch={self.prefetch!r} is not a prefetch policy; choose one of: {choices}"
                 ) from None
+        if not self.chunk_mb > 0:
+            raise ValueError(f"--offload-chunk-mb must be a positive number of MiB, got {self.chunk_mb}")
+        if not 0.0 <= self.fraction <= 1.0:
+            raise ValueError(
+                f"--offload-fraction must be between 0 (offload nothing) and 1 (offload all), got {self.fraction}"
+            )

@@ -1,14 +1,20 @@
-"""Move an optimizer's per-parameter state to host memory between steps, and back before the next.
+"""Move an optimizer's per-parameter state to host memory between steps, and back for the next one.
 
 This module knows nothing of Megatron: it works on any ``torch.optim.Optimizer`` plus an optional
 list of extra tensors (fp32 master weights kept outside the optimizer state).
+
+The state is cut into chunks of whole parameters (a parameter's master and moments always share a
+chunk). Each chunk moves on its own: it can come back early, while backward frees memory, or stream
+through the optimizer step (copy in chunk i+1, update chunk i, copy out chunk i-1, in two reusable
+staging buffers), so both copy directions run at once and the step never holds all the state.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,36 +23,69 @@ from megatron_offload.host_memory import HostSlab, check_host_room
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OffloadStats", "OptimizerStateOffloader"]
+__all__ = ["OffloadStats", "OptimizerStateOffloader", "RestrictedStep"]
+
+ALIGN = 256  # byte alignment of every tensor inside a chunk (and of chunks in the host slab)
+DEFAULT_CHUNK_BYTES = 64 * 1024**2
 
 
 @dataclass
 class OffloadStats:
-    """Running totals; copy times are read from CUDA events once they have completed, never by a sync."""
+    """Running totals; copy times are read from CUDA events once they have completed, never by a sync.
+
+    ``last_*`` figures are those of the latest optimizer step whose copies have all completed.
+    """
 
     offloads: int = 0
     prefetches: int = 0
     bytes_offloaded: int = 0
     bytes_prefetched: int = 0
+    bytes_streamed: int = 0
+    """Bytes that came back through the pipelined step rather than ahead of it."""
     offload_seconds: float = 0.0
     prefetch_seconds: float = 0.0
+    exposed_seconds: float = 0.0
+    """Time the compute stream stood waiting for a copy-in: the copy time not hidden behind compute."""
     last_offload_seconds: float = 0.0
     last_prefetch_seconds: float = 0.0
-    exposed_seconds: float = 0.0
-    """Time the compute stream stood waiting for a copy-in at ``wait()``: the copy time not hidden."""
     last_exposed_seconds: float = 0.0
     gpu_bytes_freed: int = 0
     """Bytes of device memory released by the latest offload (0 while the state is resident)."""
     host_bytes: int = 0
-    """Size of the host slabs, all dtypes together."""
+    """Size of the host slab: the offloaded state of this optimizer."""
+    resident_bytes: int = 0
+    """State kept on the GPU for good because of ``fraction`` < 1."""
     pinned: bool = True
 
 
 @dataclass
 class _Entry:
     tensor: torch.Tensor  # the optimizer's own tensor object; its .data moves between GPU and host
-    host: torch.Tensor  # view into a host slab, same shape and dtype
+    host: torch.Tensor  # view into the host slab, same shape and dtype
+    offset: int  # byte offset inside its chunk
     nbytes: int
+    is_param: bool  # an optimizer param (a master weight): megatron assigns its .grad during the step
+
+
+@dataclass
+class _Chunk:
+    entries: list[_Entry]
+    params: list[torch.Tensor]  # the optimizer params whose state this chunk holds
+    host: torch.Tensor  # uint8 view of the host slab covering the chunk
+    nbytes: int
+    offloaded: bool = False
+    gpu: torch.Tensor | None = None  # uint8 device block the entries view while resident (None: their own)
+    arriving: torch.cuda.Event | None = None  # copy-in not yet waited for by the compute stream
+    touched: bool = False  # the compute stream may have changed it since it came back
+    left: torch.cuda.Event | None = None  # latest copy-out done: host copy complete, may be read
+
+
+@dataclass
+class _Timing:
+    kind: str  # "offload", "prefetch" or "exposed"
+    step: int
+    start: torch.cuda.Event
+    end: torch.cuda.Event
 
 
 def owns_its_storage(tensor: torch.Tensor) -> bool:
@@ -62,24 +101,66 @@ def _shaped_like(value: object, param: torch.Tensor) -> bool:
     return isinstance(value, torch.Tensor) and value is not param and value.shape == param.shape
 
 
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def _view(block: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    return block[offset : offset + like.numel() * like.element_size()].view(like.dtype).view(like.shape)
+
+
+class RestrictedStep:
+    """Runs ``optimizer.step()`` over a subset of its params, once per chunk, as if it ran once.
+
+    Every call sees the param-group settings as they were before the first call: apex's and
+    TransformerEngine's FusedAdam count steps per group (``group["step"] += 1``), so without this a
+    step cut into five chunks would count five steps. Per-element optimizers (every Adam) then give
+    bitwise the same result as one call over all params.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, step: Callable[[], object] | None = None) -> None:
+        self.optimizer = optimizer
+        # The class's step: an instance attribute ``step`` may be a wrapper that calls us.
+        self.step = step or functools.partial(type(optimizer).step, optimizer)
+        self.settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+    def __call__(self, params: Sequence[torch.Tensor]) -> None:
+        wanted = {id(param) for param in params}
+        groups = self.optimizer.param_groups
+        every_param = [group["params"] for group in groups]
+        try:
+            for group, settings, group_params in zip(groups, self.settings, every_param, strict=True):
+                for key in [key for key in group if key != "params" and key not in settings]:
+                    del group[key]  # added by an earlier chunk's call, e.g. a first "step"
+                group.update(settings)
+                group["params"] = [param for param in group_params if id(param) in wanted]
+            self.step()
+        finally:
+            for group, group_params in zip(groups, every_param, strict=True):
+                group["params"] = group_params
+
+
 class OptimizerStateOffloader:
     """Keeps an optimizer's tensor state (and given master weights) in host memory between steps.
 
-    Lifecycle per iteration: ``offload()`` after ``step()``; ``prefetch()`` while the next iteration
-    computes; ``wait()`` right before the next ``step()``.
+    Lifecycle per iteration: ``offload()`` after the step; ``prefetch()`` (all, or as many bytes as
+    memory allows) while the next iteration computes; then either ``wait()`` and the optimizer's own
+    step, or ``run_step()``, which streams whatever has not come back through a pipelined step.
 
     NOTE: tensor objects are never replaced, only what they hold: offloading points each one's ``.data``
     at its host copy (the GPU storage, no longer referenced, goes back to the allocator) and prefetching
-    points it at fresh GPU memory. ``optimizer.state``, ``param_groups`` and outside references stay
-    valid, and while offloaded a tensor is a CPU tensor with the right values: code that reads it gets
-    the right numbers (after ``host_copies_ready()``), code that mixes it with GPU tensors gets a device
+    points it at GPU memory. ``optimizer.state``, ``param_groups`` and outside references stay valid,
+    and while offloaded a tensor is a CPU tensor with the right values: code that reads it gets the
+    right numbers (after ``host_copies_ready()``), code that mixes it with GPU tensors gets a device
     error, and a write to it (a checkpoint load) lands in the host copy that the next prefetch brings back.
     NOTE: the set of tensors is looked up again at every ``offload()``: Adam creates its moments at the
-    first step, and a state-dict load may replace them. Host slabs are re-made only when that set
+    first step, and a state-dict load may replace them. The host slab is re-made only when that set
     changes, which in training happens once.
     NOTE: an entry counts as offloadable when it has the parameter's shape (``exp_avg``, ``exp_avg_sq``,
     ``max_exp_avg_sq``, TransformerEngine's ``master_param``) in any dtype; scalars such as ``step``
     stay where they are. Entries that share storage with other tensors stay resident, with a warning.
+    NOTE: a chunk that came back but was never handed to the compute stream (a skipped step) is not
+    copied out again: its host copy is still exact, so its GPU memory is simply dropped.
     """
 
     def __init__(
@@ -88,6 +169,8 @@ class OptimizerStateOffloader:
         master_weights: Sequence[torch.Tensor] = (),
         *,
         keep_state_keys: Sequence[str] = (),
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        fraction: float = 1.0,
         pin_memory: bool = True,
         check_host_memory: bool = True,
     ) -> None:
@@ -98,41 +181,55 @@ class OptimizerStateOffloader:
                     f"(shape {tuple(tensor.shape)}, storage of {tensor.untyped_storage().nbytes()} bytes); "
                     "freeing it would free memory others use. Pass only tensors with storage of their own."
                 )
+        if chunk_bytes <= 0:
+            raise ValueError(f"--offload-chunk-mb must be positive, got {chunk_bytes / 1024**2:g} MB")
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"--offload-fraction must be between 0 and 1, got {fraction}")
         self.optimizer = optimizer
         self.master_weights = list(master_weights)
         self.keep_state_keys = frozenset(keep_state_keys)
+        self.chunk_bytes = chunk_bytes
+        self.fraction = fraction
         self.pin_memory = pin_memory
         self.check_host_memory = check_host_memory
         self.stats = OffloadStats()
-        self._entries: list[_Entry] = []
+        self._chunks: list[_Chunk] = []
+        self._planned: set[int] = set()  # id() of every tensor in the plan, offloaded or kept
         self._plan_key: tuple = ()
-        self._slabs: list[HostSlab] = []
-        self._offloaded = False
+        self._slab: HostSlab | None = None
+        self._loose_masters = False  # some master is not an optimizer param: run_step cannot chunk it
         self._warned_shared: set[int] = set()
         self._device: torch.device | None = None
-        self._offload_stream: torch.cuda.Stream | None = None
-        self._prefetch_stream: torch.cuda.Stream | None = None
-        self._offload_done: torch.cuda.Event | None = None  # last copy-out, for the copy-in to wait on
-        self._prefetch_done: torch.cuda.Event | None = None  # set while a copy-in is not yet waited for
-        self._pending_timings: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self._copy_out_stream: torch.cuda.Stream | None = None
+        self._copy_in_stream: torch.cuda.Stream | None = None
+        self._placeholders: dict[torch.dtype, torch.Tensor] = {}
+        self._step_index = 0
+        self._timings: list[_Timing] = []
+        self._per_step: dict[str, dict[int, float]] = {"offload": {}, "prefetch": {}, "exposed": {}}
         if check_host_memory:
-            check_host_room(self.estimated_host_bytes())
+            check_host_room(int(self.estimated_host_bytes() * fraction))
 
     # ----------------------------------------------------------------------------------- state
     @property
     def is_offloaded(self) -> bool:
-        return self._offloaded
+        """True while any chunk of the state is in host memory only."""
+        return any(chunk.offloaded for chunk in self._chunks)
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return sum(chunk.nbytes for chunk in self._chunks if chunk.offloaded)
 
     def estimated_host_bytes(self) -> int:
-        """Host bytes this offloader will need: what exists now, or masters + two moments per parameter
-        (Adam) before the first step has created the moments."""
-        existing = sum(t.numel() * t.element_size() for t in self._offloadable_tensors())
+        """Host bytes this offloader will need at ``fraction`` 1: what exists now, or masters + two
+        moments per parameter (Adam) before the first step has created the moments."""
+        existing = sum(t.numel() * t.element_size() for t, _ in self._offloadable_tensors())
         if any(self.optimizer.state.get(p) for group in self.optimizer.param_groups for p in group["params"]):
             return existing
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         return existing + 2 * sum(p.numel() * p.element_size() for p in params)
 
-    def _offloadable_tensors(self) -> Iterator[torch.Tensor]:
+    def _offloadable_tensors(self) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(tensor, the optimizer param it belongs to, or None for a loose master), in step order."""
         seen: set[int] = set()
 
         def fresh(tensor: torch.Tensor) -> bool:
@@ -140,164 +237,334 @@ class OptimizerStateOffloader:
             seen.add(id(tensor))
             return new and tensor.numel() > 0
 
-        for tensor in self.master_weights:
-            if fresh(tensor):
-                yield tensor
+        masters = {id(tensor) for tensor in self.master_weights}
         for group in self.optimizer.param_groups:
             for param in group["params"]:
+                if id(param) in masters and fresh(param):
+                    yield param, param
                 for key, value in self.optimizer.state.get(param, {}).items():
                     if key in self.keep_state_keys or not _shaped_like(value, param):
                         continue
-                    if not owns_its_storage(value):
+                    if id(value) not in self._planned and not owns_its_storage(value):
                         if id(value) not in self._warned_shared:
                             self._warned_shared.add(id(value))
                             logger.warning("optimizer state %r shares its storage; keeping it on the GPU", key)
                         continue
                     if fresh(value):
-                        yield value
+                        yield value, param
+        for tensor in self.master_weights:
+            if fresh(tensor):
+                yield tensor, None
 
     def _refresh_plan(self) -> None:
-        """Re-make the host slabs if the set of offloadable tensors changed since the last offload."""
-        tensors = list(self._offloadable_tensors())
-        key = tuple((id(t), t.dtype, t.numel()) for t in tensors)
+        """Re-make the chunks and host slab if the set of offloadable tensors changed. Needs every
+        chunk resident (the caller waits first)."""
+        found = list(self._offloadable_tensors())
+        key = tuple((id(t), t.dtype, t.numel()) for t, _ in found)
         if key == self._plan_key:
             return
-        self._release_slabs()
-        sizes: dict[torch.dtype, int] = {}
-        for tensor in tensors:
-            sizes[tensor.dtype] = sizes.get(tensor.dtype, 0) + tensor.numel()
-        total = sum(numel * dtype.itemsize for dtype, numel in sizes.items())
+        # Cut into chunks of whole parameters, in the order the optimizer steps them.
+        cuts: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = []
+        size, owner = 0, object()
+        for tensor, param in found:
+            starts_new = param is None or param is not owner
+            if not cuts or (starts_new and size >= self.chunk_bytes):
+                cuts.append([])
+                size = 0
+            cuts[-1].append((tensor, param))
+            size += _aligned(tensor.numel() * tensor.element_size())
+            owner = param
+        total = sum(_aligned(t.numel() * t.element_size()) for t, _ in found)
+        # Offload whole chunks from the front, as near the fraction as chunks allow; keep the rest.
+        offloaded, host_bytes = [], 0
+        for cut in cuts:
+            nbytes = sum(_aligned(t.numel() * t.element_size()) for t, _ in cut)
+            if host_bytes + nbytes / 2 <= self.fraction * total:
+                offloaded.append(cut)
+                host_bytes += nbytes
+        kept = total - host_bytes
+        self._make_room(host_bytes)
+        chunks, start = [], 0
+        for cut in offloaded:
+            entries, offset = [], 0
+            for tensor, param in cut:
+                nbytes = tensor.numel() * tensor.element_size()
+                host = _view(self._slab.tensor, start + offset, tensor)
+                entries.append(_Entry(tensor, host, offset, nbytes, is_param=param is tensor))
+                offset += _aligned(nbytes)
+            params = list({id(p): p for _, p in cut if p is not None}.values())
+            # touched: the values exist only on the GPU so far, so the first offload must copy them.
+            chunks.append(_Chunk(entries, params, self._slab.tensor[start : start + offset], offset, touched=True))
+            start += offset
+        self._chunks, self._plan_key = chunks, key
+        self._planned = {id(t) for t, _ in found}
+        self._loose_masters = any(param is None for cut in offloaded for _, param in cut)
+        self._device = found[0][0].device if found else None
+        self.stats.host_bytes = host_bytes
+        self.stats.resident_bytes = kept
+        self.stats.pinned = self._slab.pinned or host_bytes == 0
+        if found:
+            logger.info(
+                "offload plan: %d tensors in %d chunks, %.3f GiB offloaded, %.3f GiB kept on the GPU",
+                len(found),
+                len(chunks),
+                host_bytes / 1024**3,
+                kept / 1024**3,
+            )
+
+    def _make_room(self, host_bytes: int) -> None:
+        """Keep the host slab if it is large enough, else pin a new one. Before Adam's first step only
+        the masters exist: the slab is then sized for the moments too, so it is pinned only once."""
+        if self._slab is not None and self._slab.nbytes >= host_bytes:
+            if self._on_cuda:
+                torch.cuda.synchronize(self._device)  # no copy may still use the old layout
+            return
+        self._release_slab()
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        if not any(self.optimizer.state.get(p) for p in params):
+            moments = 2 * sum(_aligned(p.numel() * p.element_size()) for p in params if p.requires_grad)
+            host_bytes += int(self.fraction * moments)
         if self.check_host_memory:
             # Other ranks on this node may have pinned theirs already: count only our own bytes here.
-            check_host_room(total, ranks=1)
-        slabs = {dtype: HostSlab(numel, dtype, self.pin_memory) for dtype, numel in sizes.items()}
-        offsets = dict.fromkeys(sizes, 0)
-        entries = []
-        for tensor in tensors:
-            start = offsets[tensor.dtype]
-            offsets[tensor.dtype] = start + tensor.numel()
-            host = slabs[tensor.dtype].tensor[start : start + tensor.numel()].view(tensor.shape)
-            entries.append(_Entry(tensor, host, tensor.numel() * tensor.element_size()))
-        self._entries, self._plan_key, self._slabs = entries, key, list(slabs.values())
-        self._device = tensors[0].device if tensors else None
-        self.stats.host_bytes = total
-        self.stats.pinned = all(slab.pinned for slab in self._slabs)
-        if tensors:
-            logger.info("offload plan: %d tensors, %.3f GiB of host memory", len(tensors), total / 1024**3)
+            check_host_room(host_bytes, ranks=1)
+        self._slab = HostSlab(host_bytes, torch.uint8, self.pin_memory)
 
-    def _release_slabs(self) -> None:
-        if self._slabs and self._on_cuda:
-            # A copy may still be reading or writing the old slabs; they must be idle before we free them.
+    def _release_slab(self) -> None:
+        if self._slab is not None and self._on_cuda:
+            # A copy may still be reading or writing the old slab; it must be idle before we free it.
             torch.cuda.synchronize(self._device)
-        for slab in self._slabs:
-            slab.release()
-        self._entries, self._slabs, self._plan_key = [], [], ()
+        if self._slab is not None:
+            self._slab.release()
+        self._chunks, self._slab, self._plan_key, self._planned = [], None, (), set()
 
     @property
     def _on_cuda(self) -> bool:
         return self._device is not None and self._device.type == "cuda"
 
-    def _streams(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
-        if self._offload_stream is None:
-            self._offload_stream = torch.cuda.Stream(self._device)
-            self._prefetch_stream = torch.cuda.Stream(self._device)
-        return self._offload_stream, self._prefetch_stream
+    def _streams(self) -> tuple[torch.cuda.Stream | None, torch.cuda.Stream | None]:
+        if not self._on_cuda:
+            return None, None
+        if self._copy_out_stream is None:
+            self._copy_out_stream = torch.cuda.Stream(self._device)
+            self._copy_in_stream = torch.cuda.Stream(self._device)
+        return self._copy_out_stream, self._copy_in_stream
+
+    def _compute_stream(self) -> torch.cuda.Stream | None:
+        return torch.cuda.current_stream(self._device) if self._on_cuda else None
+
+    # ------------------------------------------------------------------------ one chunk at a time
+    def _copy_out(self, chunk: _Chunk) -> None:
+        """Copy a resident chunk to host memory (if the compute stream may have changed it) and free it."""
+        out_stream, _ = self._streams()
+        if chunk.arriving is not None and out_stream is not None:
+            # Never waited for: the copy-in must land before its memory can be reused or read.
+            out_stream.wait_event(chunk.arriving)
+        if chunk.touched:
+            if out_stream is not None:
+                out_stream.wait_stream(self._compute_stream())  # the update must be written first
+            with self._timed("offload", out_stream) as done:
+                if chunk.gpu is not None:
+                    chunk.host.copy_(chunk.gpu, non_blocking=True)
+                else:  # tensors the optimizer made itself: not yet in one block of ours
+                    for entry in chunk.entries:
+                        entry.host.copy_(entry.tensor, non_blocking=True)
+            chunk.left = done
+            self.stats.bytes_offloaded += chunk.nbytes
+        for entry in chunk.entries:
+            if out_stream is not None:
+                # The allocator must not hand this memory to new work until the copies have used it.
+                entry.tensor.record_stream(out_stream)
+            entry.tensor.data = entry.host  # drops the last reference to the device memory
+        chunk.gpu, chunk.arriving, chunk.touched, chunk.offloaded = None, None, False, True
+
+    def _copy_in(self, chunk: _Chunk, block: torch.Tensor | None = None, after: torch.cuda.Event | None = None) -> None:
+        """Start bringing an offloaded chunk back into ``block`` (default: fresh device memory)."""
+        if block is None:
+            try:
+                # Allocated on the compute stream, so the memory is ordered after its earlier users there.
+                block = torch.empty(chunk.nbytes, dtype=torch.uint8, device=self._device)
+            except torch.OutOfMemoryError as error:
+                raise torch.OutOfMemoryError(
+                    f"megatron-offload: not enough GPU memory to bring back {chunk.nbytes / 1024**2:.0f} MiB "
+                    "of optimizer state; the state is still whole in host memory. Use --offload-prefetch "
+                    "step (the step streams the state through two chunks), lower --offload-chunk-mb, or "
+                    f"reduce the micro-batch size. ({error})"
+                ) from error
+        _, in_stream = self._streams()
+        if in_stream is not None:
+            # The block may have just been freed by compute work, which must be done with it first.
+            in_stream.wait_stream(self._compute_stream())
+            for event in (chunk.left, after):  # the host copy must be complete; the block free
+                if event is not None:
+                    in_stream.wait_event(event)
+        with self._timed("prefetch", in_stream) as done:
+            block.copy_(chunk.host, non_blocking=True)
+        if in_stream is not None:
+            block.record_stream(in_stream)
+        for entry in chunk.entries:
+            entry.tensor.data = _view(block, entry.offset, entry.tensor)
+        chunk.gpu, chunk.arriving, chunk.offloaded = block, done, False
+        self.stats.bytes_prefetched += chunk.nbytes
+
+    def _hand_to_compute(self, chunk: _Chunk) -> None:
+        """Order the compute stream after the chunk's copy-in, timing how long it stands waiting."""
+        if chunk.arriving is not None:
+            compute = self._compute_stream()
+            arrived, resumed = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            arrived.record(compute)
+            compute.wait_event(chunk.arriving)
+            resumed.record(compute)
+            self._timings.append(_Timing("exposed", self._step_index, arrived, resumed))
+            chunk.arriving = None
+        chunk.touched = True
 
     # -------------------------------------------------------------------------------- transfers
     @torch.no_grad()
     def offload(self) -> None:
-        """Copy the state to host memory on a side stream and release its device memory. Idempotent."""
-        if self._offloaded:
-            return
-        self.wait()  # a copy-in still in flight must land before we copy out and free
-        self._refresh_plan()
-        if not self._entries:
-            return
-        self._harvest_timings()
-        if self._on_cuda:
-            offload_stream, _ = self._streams()
-            # The step that just ran on the compute stream must finish writing the state first.
-            offload_stream.wait_stream(torch.cuda.current_stream(self._device))
-        with self._timed("offload", self._offload_stream):
-            for entry in self._entries:
-                entry.host.copy_(entry.tensor, non_blocking=True)
-        for entry in self._entries:
-            if self._on_cuda:
-                # The allocator must not hand this memory to new work until the copy out has read it.
-                entry.tensor.record_stream(self._offload_stream)
-            entry.tensor.data = entry.host  # drops the last reference to the GPU storage
-        self._offloaded = True
-        moved = sum(entry.nbytes for entry in self._entries)
+        """Copy every resident chunk to host memory on a side stream and release its device memory."""
+        if self._plan_key != self._current_key():
+            self.wait()  # chunks still coming in must land before the plan can change
+            self._refresh_plan()
+        resident = [chunk for chunk in self._chunks if not chunk.offloaded]
+        for chunk in resident:
+            self._copy_out(chunk)
+        if resident:
+            self._count_offload()
+
+    def _count_offload(self) -> None:
         self.stats.offloads += 1
-        self.stats.bytes_offloaded += moved
-        self.stats.gpu_bytes_freed = moved
+        self.stats.gpu_bytes_freed = self.offloaded_bytes
+        self._step_index += 1
+        self._harvest_timings()
+
+    def _current_key(self) -> tuple:
+        return tuple((id(t), t.dtype, t.numel()) for t, _ in self._offloadable_tensors())
 
     @torch.no_grad()
-    def prefetch(self) -> None:
-        """Allocate the state on the device again and start copying it back on a side stream.
+    def prefetch(self, max_bytes: int | None = None) -> int:
+        """Start copying offloaded chunks back, in step order, up to ``max_bytes`` (default: all).
 
-        Returns at once; ``wait()`` orders the compute stream after the copy. Does nothing when the
-        state is resident or a copy-in is already in flight.
+        Returns at once with the bytes started; the compute stream is ordered after the copies by
+        ``wait()`` or ``run_step()``.
         """
-        if not self._offloaded:
-            return
-        try:
-            # Allocated on the compute stream, so the memory is ordered after its earlier users there.
-            fresh = [torch.empty_like(entry.host, device=self._device) for entry in self._entries]
-        except torch.OutOfMemoryError as error:
-            needed = sum(entry.nbytes for entry in self._entries)
-            raise torch.OutOfMemoryError(
-                f"megatron-offload: not enough GPU memory to bring back {needed / 1024**3:.2f} GiB of "
-                "optimizer state for the step; the state is still whole in host memory. Reduce the "
-                "micro-batch size or activation memory, or keep master weights resident with "
-                f"--no-offload-master-weights. ({error})"
-            ) from error
-        if self._on_cuda:
-            _, prefetch_stream = self._streams()
-            # The new blocks may have just been freed by compute work; that work must be done first.
-            prefetch_stream.wait_stream(torch.cuda.current_stream(self._device))
-            # The host copy written by the last offload must be complete before we read it.
-            prefetch_stream.wait_event(self._offload_done)
-        with self._timed("prefetch", self._prefetch_stream) as done:
-            for entry, memory in zip(self._entries, fresh, strict=True):
-                memory.copy_(entry.host, non_blocking=True)
-        for entry, memory in zip(self._entries, fresh, strict=True):
-            entry.tensor.data = memory
-        self._prefetch_done = done
-        self._offloaded = False
-        self.stats.prefetches += 1
-        self.stats.bytes_prefetched += sum(entry.nbytes for entry in self._entries)
-        self.stats.gpu_bytes_freed = 0
+        started = 0
+        for chunk in self._chunks:
+            if not chunk.offloaded:
+                continue
+            if max_bytes is not None and started + chunk.nbytes > max_bytes:
+                break
+            self._copy_in(chunk)
+            started += chunk.nbytes
+        if started:
+            self.stats.prefetches += 1
+            self.stats.gpu_bytes_freed = self.offloaded_bytes
+        return started
 
     def wait(self) -> None:
-        """Make the state usable by the compute stream: start a copy-in if none is running, then order
-        the compute stream after it. No host synchronization."""
+        """Make the whole state usable by the compute stream: bring back what is still offloaded, then
+        order the compute stream after every copy. No host synchronization."""
         self.prefetch()
-        if self._prefetch_done is not None:
-            compute = torch.cuda.current_stream(self._device)
-            arrived, resumed = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            arrived.record(compute)
-            # Work queued after this point (the optimizer step) must see the copied-in values.
-            compute.wait_event(self._prefetch_done)
-            resumed.record(compute)  # arrived -> resumed is how long compute stood waiting for the copy
-            self._pending_timings.append(("exposed", arrived, resumed))
-            self._prefetch_done = None
+        for chunk in self._chunks:
+            self._hand_to_compute(chunk)
+
+    @torch.no_grad()
+    def run_step(self, after_chunk: Callable[[list[torch.Tensor]], None] | None = None) -> None:
+        """Run the optimizer step chunk by chunk and leave the state offloaded (copies out in flight).
+
+        Chunks already back are updated first; the others stream through two staging buffers
+        (copy in i+1, update i, copy out i-1). ``after_chunk(params)`` runs right after each chunk's
+        update, while its state is on the GPU (Megatron copies the masters into the model there).
+        Falls back to one whole step while the plan is incomplete (the first step creates Adam's moments).
+        NOTE: stepping a subset of params per call gives bitwise the same result as one call only for
+        optimizers that update each param from its own state and gradient (Adam, AdamW, SGD), not for
+        those that mix params (LAMB's global norm).
+        """
+        stepper = RestrictedStep(self.optimizer)
+        all_params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        first_step = any(not self.optimizer.state.get(p) for p in all_params if p.grad is not None)
+        if first_step or self._loose_masters or not self._chunks or self._plan_key != self._current_key():
+            try:
+                self.wait()
+                stepper(all_params)
+                if after_chunk is not None:
+                    after_chunk(all_params)
+            finally:
+                self.offload()
+            return
+        ready = [chunk for chunk in self._chunks if not chunk.offloaded]
+        streamed = [chunk for chunk in self._chunks if chunk.offloaded]
+        planned = {id(p) for chunk in self._chunks for p in chunk.params}
+        resident_params = [p for p in all_params if id(p) not in planned]  # kept by fraction < 1
+        staging = [
+            torch.empty(max((c.nbytes for c in streamed), default=0), dtype=torch.uint8, device=self._device)
+            for _ in range(min(2, len(streamed)))
+        ]
+        self.stats.bytes_streamed += sum(chunk.nbytes for chunk in streamed)
+        try:
+            for index, chunk in enumerate(streamed[:2]):
+                self._copy_in(chunk, staging[index][: chunk.nbytes])
+            for chunk in ready:
+                self._hand_to_compute(chunk)
+            if ready or resident_params:
+                params = [p for chunk in ready for p in chunk.params] + resident_params
+                stepper(params)
+                if after_chunk is not None:
+                    after_chunk(params)
+            for index, chunk in enumerate(streamed):
+                self._hand_to_compute(chunk)
+                stepper(chunk.params)
+                if after_chunk is not None:
+                    after_chunk(chunk.params)
+                self._copy_out(chunk)
+                if index + 2 < len(streamed):
+                    upcoming = streamed[index + 2]
+                    self._copy_in(upcoming, staging[index % 2][: upcoming.nbytes], after=chunk.left)
+        finally:
+            # Updated chunks leave with their new values; chunks never handed to compute are dropped.
+            for chunk in self._chunks:
+                if not chunk.offloaded:
+                    self._copy_out(chunk)
+            self._count_offload()
+
+    @contextlib.contextmanager
+    def params_on_device(self) -> Iterator[None]:
+        """While inside, offloaded params (master weights) look like device tensors of the right shape
+        (no memory behind them), so code that assigns their ``.grad`` before the step works; their
+        values stay in host memory, and the step brings them back chunk by chunk."""
+        swapped = []
+        for chunk in self._chunks:
+            for entry in chunk.entries:
+                if chunk.offloaded and entry.is_param and self._on_cuda:
+                    entry.tensor.data = self._placeholder(entry.tensor.dtype).expand(entry.tensor.shape)
+                    swapped.append((chunk, entry))
+        try:
+            yield
+        finally:
+            for chunk, entry in swapped:
+                if chunk.offloaded:
+                    entry.tensor.data = entry.host
+
+    def _placeholder(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in self._placeholders:
+            self._placeholders[dtype] = torch.empty((), dtype=dtype, device=self._device)
+        return self._placeholders[dtype]
 
     def host_copies_ready(self) -> None:
-        """Block the host until the last copy out has landed, so CPU code can read offloaded state."""
-        if self._offloaded and self._on_cuda and self._offload_done is not None:
-            self._offload_done.synchronize()
+        """Block the host until every copy out has landed, so CPU code can read offloaded state."""
+        for chunk in self._chunks:
+            if chunk.offloaded and chunk.left is not None:
+                chunk.left.synchronize()
 
     def restore(self) -> None:
-        """Bring everything back to the device for good, and free the host slabs (used at detach)."""
+        """Bring everything back to the device for good, and free the host slab (used at detach)."""
         self.wait()
-        self._release_slabs()
+        self._release_slab()
 
     # ------------------------------------------------------------------------------- telemetry
     @contextlib.contextmanager
     def _timed(self, kind: str, stream: torch.cuda.Stream | None) -> Iterator[torch.cuda.Event | None]:
         """Run copies on ``stream`` between two timing events; yields the end event (None on CPU)."""
-        if not self._on_cuda:
+        if stream is None:
             yield None
             return
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -305,21 +572,27 @@ class OptimizerStateOffloader:
             start.record(stream)
             yield end
             end.record(stream)
-        if kind == "offload":
-            self._offload_done = end
-        self._pending_timings.append((kind, start, end))
+        self._timings.append(_Timing(kind, self._step_index, start, end))
 
     def _harvest_timings(self) -> None:
-        """Add up the copy times whose events have completed; leave the rest for later."""
-        still_pending = []
-        for kind, start, end in self._pending_timings:
-            if not end.query():
-                still_pending.append((kind, start, end))
+        """Add up the copy and wait times whose events have completed; leave the rest for later."""
+        pending = []
+        for timing in self._timings:
+            if not timing.end.query():
+                pending.append(timing)
                 continue
-            seconds = start.elapsed_time(end) / 1000
-            setattr(self.stats, f"{kind}_seconds", getattr(self.stats, f"{kind}_seconds") + seconds)
-            setattr(self.stats, f"last_{kind}_seconds", seconds)
-        self._pending_timings = still_pending
+            seconds = timing.start.elapsed_time(timing.end) / 1000
+            setattr(self.stats, f"{timing.kind}_seconds", getattr(self.stats, f"{timing.kind}_seconds") + seconds)
+            per_step = self._per_step[timing.kind]
+            per_step[timing.step] = per_step.get(timing.step, 0.0) + seconds
+        self._timings = pending
+        unfinished = {timing.step for timing in pending}
+        for kind, per_step in self._per_step.items():
+            complete = [step for step in per_step if step not in unfinished]
+            if complete:
+                newest = max(complete)
+                setattr(self.stats, f"last_{kind}_seconds", per_step[newest])
+                self._per_step[kind] = {s: v for s, v in per_step.items() if s >= newest}
 
     def read_stats(self) -> OffloadStats:
         """The totals so far, including every copy that has completed by now (no sync)."""

@@ -10,16 +10,26 @@ Checked against megatron-core 0.16.1 and 0.19.2 (see README for what ran on a GP
   step and the master-to-model copy), and returns early without it when the step is skipped.
 - With ``use_precision_aware_optimizer`` TransformerEngine's FusedAdam keeps the masters in its own
   state under ``master_param``; the engine finds them there.
+- The streamed step: ``step_with_ready_grads`` calls the inner ``optimizer.step()`` and then
+  ``_copy_main_params_to_model_params()``, which reads ``shard_fp32_from_float16_groups`` /
+  ``model_float16_groups`` and ``shard_fp32_groups`` / ``model_fp32_groups`` pairwise. We replace the
+  inner step by the engine's chunked one and run that copy per chunk on group lists cut to the chunk.
+  Before the step, ``_copy_model_grads_to_main_grads`` assigns each master's ``.grad``.
+- The last micro-batch: DDP's ``no_sync()`` clears ``is_last_microbatch`` on every bucket group
+  (``bucket_groups`` and ``expert_parallel_bucket_groups``) and sets it again for the last backward,
+  in every schedule, pipeline-parallel ones included.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import fields, replace
 from importlib.metadata import version
 from typing import Any
 
+import torch
 from packaging.version import Version
 
 from megatron_offload.config import OffloadConfig, PrefetchPolicy
@@ -32,6 +42,11 @@ __all__ = ["CHECKED_MEGATRON_CORE_VERSIONS", "OffloadHandle", "attach_offloader"
 CHECKED_MEGATRON_CORE_VERSIONS = ("0.16.1", "0.19.2")
 SUPPORTED_RANGE = (Version("0.14"), Version("0.20"))
 _HANDLE_ATTR = "_megatron_offload_handle"
+MIB = 1024**2
+# Room kept free under the level backward started from when bringing state back during backward:
+# backward's own temporaries come on top of what we bring back.
+PACING_MARGIN_BYTES = 256 * MIB
+PACING_SAMPLES = 64  # memory readings per backward (each builds torch's whole stats dict)
 _saving: set[int] = set()  # id() of each offloader whose sharded_state_dict is building a save right now
 
 # DistributedOptimizer methods that read or write optimizer state outside step() (checkpointing,
@@ -87,6 +102,117 @@ def _check_compatible(dist_opt: Any) -> None:
         )
 
 
+def _streamed_step_supported(dist_opt: Any) -> bool:
+    """The streamed step copies masters into the model per chunk with megatron-core's own copy; its
+    fp8/fp4/FSDP branches work on all params at once, so those setups bring the state back whole."""
+    ddp_config = getattr(dist_opt, "ddp_config", None)
+    return not (
+        ddp_config is None
+        or getattr(ddp_config, "use_megatron_fsdp", False)
+        or getattr(ddp_config, "fp8_param_gather", False)
+        or getattr(ddp_config, "fp4_param_gather", False)
+        or getattr(dist_opt.config, "reuse_grad_buf_for_mxfp8_param_ag", False)
+        or not hasattr(dist_opt, "_copy_main_params_to_model_params")
+    )
+
+
+def _cut_to(shard_groups: list[list[Any]], model_groups: list[list[Any]], wanted: set[int]) -> tuple[list, list]:
+    """The (shard, model) group lists restricted to the shards in ``wanted``, pairs kept together."""
+    shards, models = [], []
+    for shard_group, model_group in zip(shard_groups, model_groups, strict=True):
+        pairs = [(shard, model) for shard, model in zip(shard_group, model_group, strict=True) if id(shard) in wanted]
+        shards.append([shard for shard, _ in pairs])
+        models.append([model for _, model in pairs])
+    return shards, models
+
+
+class _StreamedStep:
+    """Replaces a DistributedOptimizer's inner Adam ``step``: runs the engine's chunked step, copying
+    each chunk's masters into the model while they are on the GPU, and makes megatron-core's own
+    copy of all masters, which follows, a no-op for that step."""
+
+    GROUP_LISTS = ("shard_fp32_from_float16_groups", "model_float16_groups", "shard_fp32_groups", "model_fp32_groups")
+
+    def __init__(self, dist_opt: Any, offloader: OptimizerStateOffloader) -> None:
+        self.dist_opt = dist_opt
+        self.offloader = offloader
+        self.copy_all = dist_opt._copy_main_params_to_model_params
+        self.copied = False
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        self.offloader.run_step(self.copy_chunk_to_model)
+        self.copied = True
+
+    def copy_chunk_to_model(self, params: Sequence[torch.Tensor]) -> None:
+        wanted = {id(param) for param in params}
+        saved = {name: getattr(self.dist_opt, name) for name in self.GROUP_LISTS}
+        try:
+            (self.dist_opt.shard_fp32_from_float16_groups, self.dist_opt.model_float16_groups) = _cut_to(
+                saved["shard_fp32_from_float16_groups"], saved["model_float16_groups"], wanted
+            )
+            self.dist_opt.shard_fp32_groups, self.dist_opt.model_fp32_groups = _cut_to(
+                saved["shard_fp32_groups"], saved["model_fp32_groups"], wanted
+            )
+            self.copy_all()
+        finally:
+            for name, value in saved.items():
+                setattr(self.dist_opt, name, value)
+
+    def copy_main_params_to_model_params(self, *args: Any, **kwargs: Any) -> Any:
+        if self.copied:  # done chunk by chunk inside the step
+            self.copied = False
+            return None
+        return self.copy_all(*args, **kwargs)
+
+
+def _in_last_microbatch(model_chunks: Sequence[Any]) -> bool:
+    for chunk in model_chunks:
+        groups = getattr(chunk, "bucket_groups", []) + getattr(chunk, "expert_parallel_bucket_groups", [])
+        if not all(getattr(group, "is_last_microbatch", True) for group in groups):
+            return False
+    return True
+
+
+class _PrefetchDuringBackward:
+    """Brings state back during the last micro-batch's backward, only into memory that backward has
+    freed: what is allocated plus what we bring back stays under the level backward started from
+    (the forward's peak), less a margin for backward's temporaries. Driven by gradient-ready hooks."""
+
+    def __init__(self, handle: OffloadHandle, model_chunks: Sequence[Any]) -> None:
+        self.handle = handle
+        self.model_chunks = list(model_chunks)
+        self.level: int | None = None
+        self.calls = 0
+        self.every = 1
+        params = {id(p): p for chunk in self.model_chunks for p in chunk.parameters() if p.requires_grad}
+        self.hooks = [param.register_post_accumulate_grad_hook(self.on_grad_ready) for param in params.values()]
+        self.on_gpu = torch.cuda.is_available()
+
+    def on_grad_ready(self, param: torch.Tensor) -> None:
+        if not self.on_gpu or not _in_last_microbatch(self.model_chunks):
+            return
+        self.calls += 1
+        if self.calls % self.every:
+            return
+        allocated = torch.cuda.memory_allocated()
+        if self.level is None:
+            self.level = allocated
+        room = self.level - PACING_MARGIN_BYTES - allocated
+        for offloader in self.handle.offloaders:
+            if room <= 0:
+                break
+            room -= offloader.prefetch(max_bytes=room)
+
+    def new_iteration(self) -> None:
+        self.every = max(1, self.calls // PACING_SAMPLES)
+        self.calls, self.level = 0, None
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks.clear()
+
+
 def _master_weights(dist_opt: Any) -> list[Any]:
     """fp32 masters held outside the Adam state (empty when TE's FusedAdam holds them)."""
     return [t for group in dist_opt.shard_fp32_from_float16_groups for t in group if t is not None]
@@ -124,6 +250,8 @@ class OffloadHandle:
         self.optimizer = optimizer
         self.config = config
         self.offloaders: list[OptimizerStateOffloader] = []
+        self.streamed = True  # every DistributedOptimizer runs the streamed step (else: whole state back)
+        self._pacer: _PrefetchDuringBackward | None = None
         self._wrapped: list[tuple[Any, str, Any]] = []  # (object, attribute, what was there before)
 
     def prefetch(self) -> None:
@@ -147,7 +275,7 @@ class OffloadHandle:
                 value = getattr(stats, field.name)
                 if field.name == "pinned":
                     total.pinned = total.pinned and value
-                elif field.name.startswith("last_") or field.name in ("offloads", "prefetches"):
+                elif field.name in ("offloads", "prefetches"):
                     setattr(total, field.name, max(getattr(total, field.name), value))
                 else:
                     setattr(total, field.name, getattr(total, field.name) + value)
@@ -164,6 +292,9 @@ class OffloadHandle:
             else:
                 setattr(obj, name, before)
         self._wrapped.clear()
+        if self._pacer is not None:
+            self._pacer.remove()
+            self._pacer = None
         for offloader in self.offloaders:
             offloader.restore()
         self.offloaders.clear()
@@ -193,13 +324,20 @@ class OffloadHandle:
 
     def _step_wrapper(self, step: Callable[..., Any]) -> Callable[..., Any]:
         def step_with_offload(*args: Any, **kwargs: Any) -> Any:
-            self.prefetch()  # no-op when a prefetch from finalize is already in flight
             try:
-                return step(*args, **kwargs)
+                if not self.streamed:
+                    self.prefetch()  # the whole state, before megatron-core assigns the masters' grads
+                    return step(*args, **kwargs)
+                with contextlib.ExitStack() as stack:
+                    for offloader in self.offloaders:
+                        stack.enter_context(offloader.params_on_device())
+                    return step(*args, **kwargs)
             finally:
                 # Successful, skipped or failed: the state leaves in one piece, never half-way.
                 self.offload()
                 self._install_finalize_hooks()
+                if self._pacer is not None:
+                    self._pacer.new_iteration()
 
         return step_with_offload
 
@@ -220,6 +358,7 @@ def attach_offloader(optimizer: Any, config: OffloadConfig | None = None, **over
         _check_compatible(dist_opt)
 
     handle = OffloadHandle(optimizer, config)
+    handle.streamed = all(_streamed_step_supported(dist_opt) for dist_opt in dist_opts)
     for dist_opt in dist_opts:
         masters = _master_weights(dist_opt) if config.offload_master_weights else []
         keep = () if config.offload_master_weights else ("master_param",)
@@ -227,18 +366,31 @@ def attach_offloader(optimizer: Any, config: OffloadConfig | None = None, **over
             dist_opt.optimizer,
             masters,
             keep_state_keys=keep,
+            chunk_bytes=int(config.chunk_mb * MIB),
+            fraction=config.fraction,
             pin_memory=config.pin_memory,
             check_host_memory=config.check_host_memory,
         )
         handle.offloaders.append(offloader)
-        # The inner Adam step, and anything else that reads the state, must see the copied-back values.
-        for name in ("step_with_ready_grads", *STATE_ACCESS_METHODS):
+        # Anything that reads the state outside the step must see the copied-back values.
+        waiting = ("step_with_ready_grads",) if not handle.streamed else ()
+        for name in (*waiting, *STATE_ACCESS_METHODS):
             if hasattr(dist_opt, name):
                 handle._wrap_method(dist_opt, name, lambda inner, o=offloader: _after_wait(inner, o))
         handle._wrap_method(dist_opt, "sharded_state_dict", lambda inner, o=offloader: _save_from_host(inner, o))
+        if handle.streamed:
+            streamed = _StreamedStep(dist_opt, offloader)
+            handle._wrap_method(dist_opt.optimizer, "step", lambda _inner, s=streamed: s.step)
+            copy_name = "_copy_main_params_to_model_params"
+            handle._wrap_method(dist_opt, copy_name, lambda _inner, s=streamed: s.copy_main_params_to_model_params)
     handle._wrap_method(optimizer, "step", handle._step_wrapper)
     handle._install_finalize_hooks()
+    if config.prefetch is PrefetchPolicy.AUTO:
+        model_chunks = {id(chunk): chunk for dist_opt in dist_opts for chunk in dist_opt.model_chunks}
+        handle._pacer = _PrefetchDuringBackward(handle, list(model_chunks.values()))
     setattr(optimizer, _HANDLE_ATTR, handle)
+    # Out before the first forward: the masters exist already, and iteration 1's peak counts too.
+    handle.offload()
     logger.info(
         "megatron-offload attached to %d DistributedOptimizer(s) (megatron-core %s, %s)",
         len(dist_opts),

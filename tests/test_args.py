@@ -28,8 +28,10 @@ def test_defaults_and_returned_parser() -> None:
     args = parser.parse_args([])
     assert args.offload_optimizer_states is False
     assert args.offload_master_weights is True
-    assert args.offload_prefetch == "finalize"
+    assert args.offload_prefetch == "auto"
+    assert args.offload_chunk_mb == 64.0 and args.offload_fraction == 1.0
     assert args.offload_host_memory_check is True
+    assert config_from_args(args) == OffloadConfig()
 
 
 def test_flags_parse_into_config() -> None:
@@ -40,10 +42,27 @@ def test_flags_parse_into_config() -> None:
             "--offload-prefetch",
             "step",
             "--no-offload-host-memory-check",
+            "--offload-chunk-mb",
+            "16",
+            "--offload-fraction",
+            "0.25",
         ]
     )
     config = config_from_args(args)
-    assert config == OffloadConfig(offload_master_weights=False, prefetch=PrefetchPolicy.STEP, check_host_memory=False)
+    assert config == OffloadConfig(
+        offload_master_weights=False,
+        prefetch=PrefetchPolicy.STEP,
+        check_host_memory=False,
+        chunk_mb=16.0,
+        fraction=0.25,
+    )
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--offload-chunk-mb", "0"), ("--offload-fraction", "1.5")])
+def test_bad_chunk_size_or_fraction_names_the_flag(flag: str, value: str) -> None:
+    args = add_offload_args(argparse.ArgumentParser()).parse_args(["--offload-optimizer-states", flag, value])
+    with pytest.raises(ValueError, match=flag):
+        config_from_args(args)
 
 
 def test_unknown_prefetch_policy_is_rejected_by_the_parser() -> None:

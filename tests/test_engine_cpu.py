@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megatron_offload import HostMemoryError, OptimizerStateOffloader, host_memory
+from megatron_offload.engine import ALIGN, RestrictedStep
 
 
 def adam_with_masters(sizes: tuple[int, ...] = (37, 1000, 5)) -> tuple[torch.optim.AdamW, list[torch.Tensor]]:
@@ -33,22 +34,29 @@ def offloader_for(optimizer: torch.optim.Optimizer, masters: list[torch.Tensor],
 def in_host_slab(offloader: OptimizerStateOffloader, tensor: torch.Tensor) -> bool:
     """True when ``tensor`` now holds its host copy (on CPU the device and host are both memory, so
     where the data lives is the only difference there is)."""
-    slab_pointers = {slab.tensor.untyped_storage().data_ptr() for slab in offloader._slabs}
-    return tensor.untyped_storage().data_ptr() in slab_pointers
+    return tensor.untyped_storage().data_ptr() == offloader._slab.tensor.untyped_storage().data_ptr()
 
 
-def test_one_slab_per_dtype_sized_to_the_state() -> None:
+def entries(offloader: OptimizerStateOffloader) -> list:
+    return [entry for chunk in offloader._chunks for entry in chunk.entries]
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def test_one_slab_sized_to_the_state() -> None:
     optimizer, masters = adam_with_masters()
     take_step(optimizer, 0)
     offloader = offloader_for(optimizer, masters)
     offloader.offload()
-    numel = sum(m.numel() for m in masters)
-    assert [slab.tensor.numel() for slab in offloader._slabs] == [3 * numel]  # master + two moments
-    assert offloader.stats.host_bytes == offloader.stats.gpu_bytes_freed == 3 * numel * 4
-    slab_start = offloader._slabs[0].tensor.data_ptr()
-    starts = sorted(entry.host.data_ptr() - slab_start for entry in offloader._entries)
-    assert starts == sorted({*starts})  # no two entries share host bytes
-    for entry in offloader._entries:
+    expected = sum(3 * aligned(m.numel() * 4) for m in masters)  # master + two moments, each aligned
+    assert offloader._slab.nbytes == offloader.stats.host_bytes == offloader.stats.gpu_bytes_freed == expected
+    slab_start = offloader._slab.tensor.data_ptr()
+    spans = sorted((e.host.data_ptr() - slab_start, e.nbytes) for e in entries(offloader))
+    for (start, size), (next_start, _) in zip(spans, spans[1:], strict=False):
+        assert start % ALIGN == 0 and start + size <= next_start  # no two entries share host bytes
+    for entry in entries(offloader):
         assert entry.host.untyped_storage().data_ptr() == slab_start  # a view, not a copy
 
 
@@ -122,7 +130,7 @@ def test_every_call_order_is_safe() -> None:
     assert offloader.stats.prefetches == 1
     offloader.offload()  # a prefetch followed by a skipped step: straight back out
     offloader.restore()
-    assert not offloader.is_offloaded and offloader._slabs == []
+    assert not offloader.is_offloaded and offloader._slab is None
     take_step(optimizer, 1)  # the optimizer still works after restore
 
 
@@ -131,11 +139,14 @@ def test_moments_created_at_the_first_step_join_the_plan() -> None:
     offloader = offloader_for(optimizer, masters)
     offloader.offload()  # before the first step: only the masters exist
     masters_only = offloader.stats.host_bytes
-    assert masters_only == sum(m.numel() for m in masters) * 4
+    assert masters_only == sum(aligned(m.numel() * 4) for m in masters)
+    slab = offloader._slab
+    assert slab.nbytes == 3 * masters_only  # sized for the moments to come: pinned once
     offloader.wait()
     take_step(optimizer, 0)
     offloader.offload()
     assert offloader.stats.host_bytes == 3 * masters_only
+    assert offloader._slab is slab
     assert in_host_slab(offloader, optimizer.state[masters[0]]["exp_avg_sq"])
 
 
@@ -172,8 +183,9 @@ def test_transformer_engine_state_schema_mixed_dtypes() -> None:
     offloader = offloader_for(optimizer, [])
     expected = {key: optimizer.state[p][key].clone() for p in params for key in ("exp_avg", "master_param")}
     offloader.offload()
-    sizes = {slab.tensor.dtype: slab.tensor.numel() for slab in offloader._slabs}
-    assert sizes == {torch.bfloat16: 2 * 67, torch.float32: 67}
+    planned = sorted((str(entry.tensor.dtype), entry.nbytes) for entry in entries(offloader))
+    moments = [("torch.bfloat16", 2 * n) for n in (64, 3) for _ in ("exp_avg", "exp_avg_sq")]
+    assert planned == sorted(moments + [("torch.float32", 4 * n) for n in (64, 3)])
     assert not any(in_host_slab(offloader, param) for param in params)  # params themselves stay
     offloader.wait()
     for key, value in expected.items():
@@ -226,3 +238,148 @@ def test_offloader_checks_host_room_before_pinning(monkeypatch: pytest.MonkeyPat
 
 def test_available_host_bytes_reads_this_machine() -> None:
     assert 0 < host_memory.available_host_bytes() < 1 << 50
+
+
+# ------------------------------------------------------------------------ chunks and the streamed step
+def many_masters() -> tuple[torch.optim.AdamW, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    return adam_with_masters((37, 1000, 5, 300, 64, 700, 1))
+
+
+def set_grads(optimizer: torch.optim.Optimizer, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = torch.randn(param.shape, generator=generator, dtype=param.dtype)
+
+
+def assert_same_training_state(reference: torch.optim.Optimizer, actual: torch.optim.Optimizer) -> None:
+    for a, b in zip(reference.param_groups[0]["params"], actual.param_groups[0]["params"], strict=True):
+        assert torch.equal(a, b)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(reference.state[a][key], actual.state[b][key]), key
+
+
+@pytest.mark.parametrize("prefetch_bytes", [None, 0, 6000])
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_streamed_step_matches_the_plain_step_bit_for_bit(prefetch_bytes: int | None, fraction: float) -> None:
+    reference, _ = many_masters()
+    offloaded, masters = many_masters()
+    offloader = offloader_for(offloaded, masters, chunk_bytes=2000, fraction=fraction)
+    offloader.offload()
+    for step in range(5):
+        set_grads(reference, step)
+        reference.step()
+        set_grads(offloaded, step)
+        offloader.prefetch(max_bytes=prefetch_bytes)
+        with offloader.params_on_device():
+            offloader.run_step()
+        assert offloader.is_offloaded
+        assert not any(chunk.offloaded is False for chunk in offloader._chunks)
+    assert len(offloader._chunks) > (3 if fraction == 1.0 else 1)
+    if prefetch_bytes == 0:
+        assert offloader.stats.bytes_streamed >= 4 * offloader.stats.host_bytes  # steps 2-5 streamed it all
+    offloader.wait()
+    assert_same_training_state(reference, offloaded)
+
+
+def test_chunks_hold_whole_parameters_and_respect_the_size() -> None:
+    optimizer, masters = many_masters()
+    take_step(optimizer, 0)
+    offloader = offloader_for(optimizer, masters, chunk_bytes=2000)
+    offloader.offload()
+    owner_of = {id(p): p for p in masters} | {id(v): p for p in masters for v in optimizer.state[p].values()}
+    owners = {}
+    for index, chunk in enumerate(offloader._chunks):
+        largest_param = max(aligned(p.numel() * 4) for p in chunk.params)
+        assert chunk.nbytes < 2000 + 3 * largest_param  # closes at the first param boundary past the size
+        for entry in chunk.entries:
+            owners.setdefault(id(owner_of[id(entry.tensor)]), set()).add(index)
+    assert all(len(chunks) == 1 for chunks in owners.values())  # a param's master and moments share a chunk
+
+
+def test_fraction_keeps_the_rest_on_the_device() -> None:
+    optimizer, masters = many_masters()
+    take_step(optimizer, 0)
+    offloader = offloader_for(optimizer, masters, chunk_bytes=2000, fraction=0.5)
+    offloader.offload()
+    total = offloader.stats.host_bytes + offloader.stats.resident_bytes
+    assert 0.3 * total < offloader.stats.host_bytes < 0.7 * total
+    offloaded_ids = {id(p) for chunk in offloader._chunks for p in chunk.params}
+    kept = [p for p in masters if id(p) not in offloaded_ids]
+    assert kept and all(not in_host_slab(offloader, p) for p in kept)
+    none = offloader_for(*many_masters(), fraction=0.0)
+    none.offload()
+    assert none.stats.host_bytes == 0 and not none.is_offloaded
+
+
+def test_a_chunk_that_came_back_unused_is_dropped_not_copied() -> None:
+    optimizer, masters = many_masters()
+    take_step(optimizer, 0)
+    offloader = offloader_for(optimizer, masters, chunk_bytes=2000)
+    offloader.offload()
+    copied = offloader.stats.bytes_offloaded
+    offloader.prefetch()  # brought back during backward, then the step is skipped (inf/nan grads)
+    offloader.offload()
+    assert offloader.stats.bytes_offloaded == copied and offloader.is_offloaded
+
+
+def test_exception_in_the_streamed_step_leaves_everything_offloaded() -> None:
+    optimizer, masters = many_masters()
+    take_step(optimizer, 0)
+    offloader = offloader_for(optimizer, masters, chunk_bytes=2000)
+    offloader.offload()
+    before = {id(t): t.clone() for t in (e.tensor for e in entries(offloader))}
+    calls = []
+
+    def fail_on_third_chunk(params: list[torch.Tensor]) -> None:
+        calls.append(params)
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+
+    set_grads(optimizer, 1)
+    with pytest.raises(RuntimeError, match="injected"):
+        offloader.run_step(fail_on_third_chunk)
+    assert all(chunk.offloaded for chunk in offloader._chunks)
+    offloader.wait()
+    updated = {id(p) for params in calls for p in params}
+    assert len(updated) < len(masters)  # the failure came before the last chunk
+    for chunk in offloader._chunks:
+        chunk_updated = any(id(p) in updated for p in chunk.params)
+        for entry in chunk.entries:  # updated chunks kept their update, the others their old values
+            assert torch.equal(entry.tensor, before[id(entry.tensor)]) != chunk_updated
+
+
+class GroupCountingAdam(torch.optim.Optimizer):
+    """Counts steps per param group, as apex's and TransformerEngine's FusedAdam do."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            for param in group["params"]:
+                param.add_(param.grad, alpha=-group["lr"] / group["step"])
+
+
+def test_restricted_step_counts_one_step_however_many_chunks() -> None:
+    params = [torch.nn.Parameter(torch.ones(4)) for _ in range(3)]
+    optimizer = GroupCountingAdam(params)
+    for param in params:
+        param.grad = torch.ones(4)
+    stepper = RestrictedStep(optimizer)
+    for param in params:
+        stepper([param])
+    assert optimizer.param_groups[0]["step"] == 1
+    assert len(optimizer.param_groups[0]["params"]) == 3
+    assert all(torch.equal(p, torch.full((4,), 0.9)) for p in params)
+
+
+def test_bad_chunk_size_and_fraction_name_the_flag() -> None:
+    optimizer, masters = adam_with_masters()
+    with pytest.raises(ValueError, match="--offload-chunk-mb"):
+        offloader_for(optimizer, masters, chunk_bytes=0)
+    with pytest.raises(ValueError, match="--offload-fraction"):
+        offloader_for(optimizer, masters, fraction=1.5)

@@ -82,20 +82,95 @@ def reference() -> tuple[list[tuple[float, bool]], dict[str, torch.Tensor]]:
     return results, state
 
 
+def masters_of(training: GPTTraining) -> list[torch.Tensor]:
+    dist_opts = distributed_optimizers(training.optimizer)
+    return [m for opt in dist_opts for group in opt.shard_fp32_from_float16_groups for m in group]
+
+
+# chunk_mb=0.25 cuts the tiny model's 21 MB of state into dozens of chunks, so the streamed step
+# really pipelines; 64 (the default) makes one chunk of it.
+@pytest.mark.parametrize("chunk_mb", [0.25, 64.0])
 @pytest.mark.parametrize("prefetch", list(PrefetchPolicy))
 @pytest.mark.parametrize("offload_master_weights", [True, False])
-def test_bitwise_parity_with_a_skipped_step(reference, prefetch: PrefetchPolicy, offload_master_weights: bool) -> None:
+def test_bitwise_parity_with_a_skipped_step(
+    reference, prefetch: PrefetchPolicy, offload_master_weights: bool, chunk_mb: float
+) -> None:
     expected_results, expected_state = reference
     training = build_gpt_training(GPTShape(), loss_scale=1.0)
-    handle = attach_offloader(training.optimizer, prefetch=prefetch, offload_master_weights=offload_master_weights)
+    handle = attach_offloader(
+        training.optimizer, prefetch=prefetch, offload_master_weights=offload_master_weights, chunk_mb=chunk_mb
+    )
+    # The masters leave at attach, before the first forward (nothing else exists yet).
+    assert all(m.device.type == "cpu" for m in masters_of(training)) == offload_master_weights
     results = train(training, STEPS, skip_at=SKIPPED_ITERATION)
     stats = handle.read_stats()
     assert all(offloader.is_offloaded for offloader in handle.offloaders)
-    assert stats.offloads == STEPS and stats.gpu_bytes_freed > 0
+    assert stats.offloads == STEPS + offload_master_weights and stats.gpu_bytes_freed > 0
+    if chunk_mb < 1:
+        assert min(len(offloader._chunks) for offloader in handle.offloaders) > 10
+    if prefetch is PrefetchPolicy.STEP:
+        assert stats.bytes_streamed > (STEPS - 3) * stats.host_bytes  # every step after the first streams it all
     handle.wait()
     assert results == expected_results
     assert_bitwise_equal(expected_state, snapshot(training))
     handle.detach()
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.0])
+def test_partial_offload_keeps_parity(reference, fraction: float) -> None:
+    expected_results, expected_state = reference
+    training = build_gpt_training(GPTShape(), loss_scale=1.0)
+    handle = attach_offloader(training.optimizer, fraction=fraction, chunk_mb=0.25)
+    results = train(training, STEPS, skip_at=SKIPPED_ITERATION)
+    stats = handle.read_stats()
+    total = stats.host_bytes + stats.resident_bytes
+    assert abs(stats.host_bytes - fraction * total) <= 0.1 * total
+    handle.wait()
+    assert results == expected_results
+    assert_bitwise_equal(expected_state, snapshot(training))
+    handle.detach()
+
+
+def test_overlapped_grad_reduce_and_param_gather_keep_parity() -> None:
+    def run(attach: bool) -> tuple[list, dict[str, torch.Tensor]]:
+        training = build_gpt_training(
+            GPTShape(), overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=500_000
+        )
+        handle = attach_offloader(training.optimizer, chunk_mb=0.25) if attach else None
+        results = train(training, 8)
+        if handle is not None:
+            handle.wait()
+        return results, snapshot(training)
+
+    expected_results, expected_state = run(attach=False)
+    results, state = run(attach=True)
+    assert results == expected_results
+    assert_bitwise_equal(expected_state, state)
+
+
+def test_auto_brings_state_back_during_backward_without_raising_the_peak() -> None:
+    # Activations of several GiB against 0.2 GiB of state: backward frees far more than the state.
+    shape = GPTShape(num_layers=2, hidden_size=512, ffn_hidden_size=2048, seq_length=2048, micro_batch_size=8)
+
+    def peak_of(prefetch: str) -> tuple[int, object]:
+        training = build_gpt_training(shape)
+        handle = attach_offloader(training.optimizer, prefetch=prefetch, chunk_mb=4)
+        train(training, 2)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = handle.read_stats().bytes_streamed
+        train(training, 2)
+        torch.cuda.synchronize()
+        peak, stats = torch.cuda.max_memory_allocated(), handle.read_stats()
+        stats.bytes_streamed -= before
+        handle.detach()
+        return peak, stats
+
+    step_peak, step_stats = peak_of("step")
+    auto_peak, auto_stats = peak_of("auto")
+    assert step_stats.bytes_streamed == 2 * step_stats.host_bytes
+    assert auto_stats.bytes_streamed < 0.5 * auto_stats.host_bytes  # most of it came back during backward
+    assert auto_peak <= step_peak + 64 * 2**20
 
 
 def test_allocated_memory_drops_by_the_offloaded_bytes() -> None:
@@ -134,11 +209,11 @@ def test_many_cycles_leak_neither_gpu_nor_pinned_memory() -> None:
             rss.append(psutil.Process().memory_info().rss)
     assert readings[0] == readings[1]
     assert rss[1] - rss[0] < 32 * 2**20  # the host slabs are made once, not per cycle
-    assert handle.read_stats().offloads == 202
+    assert handle.read_stats().offloads == 203  # one at attach, two in training, 200 cycles
     handle.detach()
 
 
-def test_exception_inside_step_leaves_state_whole_and_offloaded() -> None:
+def test_exception_inside_step_leaves_state_whole_and_offloaded(monkeypatch: pytest.MonkeyPatch) -> None:
     training = build_gpt_training(GPTShape())
     handle = attach_offloader(training.optimizer)
     train(training, 3)
@@ -150,10 +225,10 @@ def test_exception_inside_step_leaves_state_whole_and_offloaded() -> None:
     def broken_step(*args, **kwargs):
         raise RuntimeError("injected failure inside Adam")
 
-    inner.step = broken_step
+    monkeypatch.setattr(type(inner), "step", broken_step)  # what the streamed step calls per chunk
     with pytest.raises(RuntimeError, match="injected failure"):
         training.train_step(3)
-    del inner.step
+    monkeypatch.undo()
     assert all(offloader.is_offloaded for offloader in handle.offloaders)
     handle.wait()
     after = snapshot(training)
@@ -165,12 +240,18 @@ def test_exception_inside_step_leaves_state_whole_and_offloaded() -> None:
 def test_detach_restores_megatron_objects() -> None:
     training = build_gpt_training(GPTShape())
     finalize = training.config.finalize_model_grads_func
-    handle = attach_offloader(training.optimizer)
+    handle = attach_offloader(training.optimizer, prefetch="finalize")
     assert training.config.finalize_model_grads_func is not finalize  # prefetch hook installed
     train(training, 2)
     handle.detach()
     assert training.config.finalize_model_grads_func is finalize
     assert "step" not in vars(training.optimizer)
+    for dist_opt in distributed_optimizers(training.optimizer):
+        assert "step" not in vars(dist_opt.optimizer) and "_copy_main_params_to_model_params" not in vars(dist_opt)
+    auto = attach_offloader(training.optimizer)
+    train(training, 1)
+    auto.detach()
+    assert not any(p._post_accumulate_grad_hooks for chunk in training.model for p in chunk.parameters())
     assert all(t.untyped_storage().nbytes() > 0 for t in snapshot(training).values())
     attach_offloader(training.optimizer).detach()  # attaching again after detach works
 
