@@ -556,8 +556,14 @@ class OptimizerStateOffloader:
                 chunk.left.synchronize()
 
     def restore(self) -> None:
-        """Bring everything back to the device for good, and free the host slab (used at detach)."""
+        """Bring everything back to the device for good, each tensor in storage of its own again, and
+        free the host slab (used at detach)."""
         self.wait()
+        for chunk in self._chunks:
+            if chunk.gpu is not None:  # one chunk at a time, so this costs one chunk of extra memory
+                for entry in chunk.entries:
+                    entry.tensor.data = entry.tensor.data.clone()
+                chunk.gpu = None
         self._release_slab()
 
     # ------------------------------------------------------------------------------- telemetry

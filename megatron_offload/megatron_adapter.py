@@ -43,9 +43,9 @@ CHECKED_MEGATRON_CORE_VERSIONS = ("0.16.1", "0.19.2")
 SUPPORTED_RANGE = (Version("0.14"), Version("0.20"))
 _HANDLE_ATTR = "_megatron_offload_handle"
 MIB = 1024**2
-# Room kept free under the level backward started from when bringing state back during backward:
-# backward's own temporaries come on top of what we bring back.
-PACING_MARGIN_BYTES = 256 * MIB
+# Least room kept free under the level backward started from when bringing state back during
+# backward (see _PrefetchDuringBackward for the learned margin).
+PACING_MIN_MARGIN_BYTES = 64 * MIB
 PACING_SAMPLES = 64  # memory readings per backward (each builds torch's whole stats dict)
 _saving: set[int] = set()  # id() of each offloader whose sharded_state_dict is building a save right now
 
@@ -175,37 +175,71 @@ def _in_last_microbatch(model_chunks: Sequence[Any]) -> bool:
 
 class _PrefetchDuringBackward:
     """Brings state back during the last micro-batch's backward, only into memory that backward has
-    freed: what is allocated plus what we bring back stays under the level backward started from
-    (the forward's peak), less a margin for backward's temporaries. Driven by gradient-ready hooks."""
+    freed, so the peak does not rise. Driven by gradient-ready hooks.
+
+    What is allocated plus what we brought back must stay under the level backward started from (the
+    end of the forward) less a margin for backward's temporaries, which come and go between two
+    hooks where no reading sees them. The margin is learned: twice the most memory freed between two
+    readings (one layer's saved activations; backward's temporaries were measured at 1.5 times that
+    with unfused attention), over earlier iterations. The first iteration only learns, and brings
+    nothing back early.
+    NOTE: which backward is the last is counted, not read from DDP's ``is_last_microbatch``: Megatron-LM
+    installs ``no_sync`` only with --overlap-grad-reduce, so without it that flag is always set. The
+    first iteration counts the backwards (the firings of the param whose gradient comes first).
+    """
 
     def __init__(self, handle: OffloadHandle, model_chunks: Sequence[Any]) -> None:
         self.handle = handle
         self.model_chunks = list(model_chunks)
-        self.level: int | None = None
+        self.level = 0  # highest reading of this backward, without what we brought back
+        self.previous: int | None = None  # the last reading, without what we brought back
+        self.brought = 0  # bytes brought back during this backward
+        self.largest_drop = 0  # most memory freed between two readings, over all backwards so far
+        self.margin: int | None = None  # None until one backward has been seen
         self.calls = 0
         self.every = 1
+        self.first_param: int | None = None  # id of the param whose gradient is ready first in a backward
+        self.backwards = 0  # backwards begun in this iteration
+        self.backwards_per_iteration: int | None = None
         params = {id(p): p for chunk in self.model_chunks for p in chunk.parameters() if p.requires_grad}
         self.hooks = [param.register_post_accumulate_grad_hook(self.on_grad_ready) for param in params.values()]
         self.on_gpu = torch.cuda.is_available()
 
     def on_grad_ready(self, param: torch.Tensor) -> None:
-        if not self.on_gpu or not _in_last_microbatch(self.model_chunks):
+        if self.first_param is None:
+            self.first_param = id(param)
+        if id(param) == self.first_param:
+            self.backwards += 1
+        if not self.on_gpu or self.backwards != self.backwards_per_iteration:
+            return
+        if not _in_last_microbatch(self.model_chunks):
             return
         self.calls += 1
         if self.calls % self.every:
             return
-        allocated = torch.cuda.memory_allocated()
-        if self.level is None:
-            self.level = allocated
-        room = self.level - PACING_MARGIN_BYTES - allocated
+        natural = torch.cuda.memory_allocated() - self.brought
+        if self.previous is not None:
+            self.largest_drop = max(self.largest_drop, self.previous - natural)
+        self.previous = natural
+        self.level = max(self.level, natural)
+        if self.margin is None:
+            return
+        room = self.level - self.margin - natural - self.brought
         for offloader in self.handle.offloaders:
             if room <= 0:
                 break
-            room -= offloader.prefetch(max_bytes=room)
+            started = offloader.prefetch(max_bytes=room)
+            room -= started
+            self.brought += started
 
     def new_iteration(self) -> None:
-        self.every = max(1, self.calls // PACING_SAMPLES)
-        self.calls, self.level = 0, None
+        """Called after every step: learn from the backward just seen, start afresh."""
+        if self.backwards_per_iteration is None and self.backwards:
+            self.backwards_per_iteration = self.backwards  # the next iteration samples its last backward
+        elif self.calls:
+            self.every = max(1, self.calls // PACING_SAMPLES)
+            self.margin = max(PACING_MIN_MARGIN_BYTES, 2 * self.largest_drop)
+        self.calls, self.level, self.previous, self.brought, self.backwards = 0, 0, None, 0, 0
 
     def remove(self) -> None:
         for hook in self.hooks:

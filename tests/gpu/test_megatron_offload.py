@@ -6,6 +6,8 @@ offloading must not change a single bit of training.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -105,7 +107,10 @@ def test_bitwise_parity_with_a_skipped_step(
     results = train(training, STEPS, skip_at=SKIPPED_ITERATION)
     stats = handle.read_stats()
     assert all(offloader.is_offloaded for offloader in handle.offloaders)
-    assert stats.offloads == STEPS + offload_master_weights and stats.gpu_bytes_freed > 0
+    # One offload per step, plus one at attach when the masters leave; the skipped step moves nothing
+    # when nothing had come back before it (a policy that leaves it all for the step).
+    assert STEPS - 1 + offload_master_weights <= stats.offloads <= STEPS + offload_master_weights
+    assert stats.gpu_bytes_freed > 0
     if chunk_mb < 1:
         assert min(len(offloader._chunks) for offloader in handle.offloaders) > 10
     if prefetch is PrefetchPolicy.STEP:
@@ -149,28 +154,31 @@ def test_overlapped_grad_reduce_and_param_gather_keep_parity() -> None:
 
 
 def test_auto_brings_state_back_during_backward_without_raising_the_peak() -> None:
-    # Activations of several GiB against 0.2 GiB of state: backward frees far more than the state.
-    shape = GPTShape(num_layers=2, hidden_size=512, ffn_hidden_size=2048, seq_length=2048, micro_batch_size=8)
+    # 8 layers of about 0.2 GiB of activations each against 0.3 GiB of state: backward frees far more.
+    shape = GPTShape(num_layers=8, hidden_size=512, ffn_hidden_size=2048, seq_length=2048, micro_batch_size=4)
 
     def peak_of(prefetch: str) -> tuple[int, object]:
+        gc.collect()  # the other run's model, if any, must be gone: its memory would count here
+        before = torch.cuda.memory_allocated()
         training = build_gpt_training(shape)
         handle = attach_offloader(training.optimizer, prefetch=prefetch, chunk_mb=4)
         train(training, 2)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        before = handle.read_stats().bytes_streamed
+        streamed_before = handle.read_stats().bytes_streamed
         train(training, 2)
         torch.cuda.synchronize()
-        peak, stats = torch.cuda.max_memory_allocated(), handle.read_stats()
-        stats.bytes_streamed -= before
+        peak, stats = torch.cuda.max_memory_allocated() - before, handle.read_stats()
+        stats.bytes_streamed -= streamed_before
         handle.detach()
         return peak, stats
 
     step_peak, step_stats = peak_of("step")
     auto_peak, auto_stats = peak_of("auto")
     assert step_stats.bytes_streamed == 2 * step_stats.host_bytes
-    assert auto_stats.bytes_streamed < 0.5 * auto_stats.host_bytes  # most of it came back during backward
-    assert auto_peak <= step_peak + 64 * 2**20
+    figures = f"peaks {auto_peak=} {step_peak=}, {auto_stats=}"
+    assert auto_stats.bytes_streamed < 0.5 * auto_stats.host_bytes, figures  # most came back during backward
+    assert auto_peak <= step_peak + 64 * 2**20, figures
 
 
 def test_allocated_memory_drops_by_the_offloaded_bytes() -> None:
