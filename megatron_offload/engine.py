@@ -62,17 +62,18 @@ class OffloadStats:
 class _Entry:
     tensor: torch.Tensor  # the optimizer's own tensor object; its .data moves between GPU and host
     host: torch.Tensor  # view into the host slab, same shape and dtype
-    offset: int  # byte offset inside its chunk
+    host_offset: int  # byte offset in the host slab
+    offset: int  # byte offset inside its chunk's device block
     nbytes: int
     is_param: bool  # an optimizer param (a master weight): megatron assigns its .grad during the step
+    in_block: bool = True  # False for state the optimizer has just made, not yet in a block of ours
 
 
 @dataclass
 class _Chunk:
     entries: list[_Entry]
     params: list[torch.Tensor]  # the optimizer params whose state this chunk holds
-    host: torch.Tensor  # uint8 view of the host slab covering the chunk
-    nbytes: int
+    nbytes: int  # size of its device block
     offloaded: bool = False
     gpu: torch.Tensor | None = None  # uint8 device block the entries view while resident (None: their own)
     arriving: torch.cuda.Event | None = None  # copy-in not yet waited for by the compute stream
@@ -107,6 +108,19 @@ def _aligned(nbytes: int) -> int:
 
 def _view(block: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
     return block[offset : offset + like.numel() * like.element_size()].view(like.dtype).view(like.shape)
+
+
+def _runs(entries: list[_Entry]) -> list[tuple[int, int, int]]:
+    """(host offset, block offset, bytes) of each stretch that is contiguous on both sides: one copy each.
+    A chunk has one, or two after Adam's first step added its moments at the end of the slab."""
+    runs: list[list[int]] = []
+    for entry in sorted(entries, key=lambda e: e.offset):
+        size = _aligned(entry.nbytes)
+        if runs and runs[-1][0] + runs[-1][2] == entry.host_offset and runs[-1][1] + runs[-1][2] == entry.offset:
+            runs[-1][2] += size
+        else:
+            runs.append([entry.host_offset, entry.offset, size])
+    return [(host, block, size) for host, block, size in runs]
 
 
 class RestrictedStep:
@@ -198,6 +212,8 @@ class OptimizerStateOffloader:
         self._plan_key: tuple = ()
         self._slab: HostSlab | None = None
         self._loose_masters = False  # some master is not an optimizer param: run_step cannot chunk it
+        self._slab_used = 0  # bytes of the slab the plan uses; Adam's first moments go after them
+        self._kept_params: set[int] = set()  # params whose state stays on the GPU (fraction < 1)
         self._warned_shared: set[int] = set()
         self._device: torch.device | None = None
         self._copy_out_stream: torch.cuda.Stream | None = None
@@ -263,12 +279,14 @@ class OptimizerStateOffloader:
         key = tuple((id(t), t.dtype, t.numel()) for t, _ in found)
         if key == self._plan_key:
             return
-        # Cut into chunks of whole parameters, in the order the optimizer steps them.
+        # Cut into chunks of whole parameters, in the order the optimizer steps them. Before Adam's
+        # first step only the masters exist; its two moments will join their chunk, so cut at a third.
+        limit = self.chunk_bytes if self._has_state() else self.chunk_bytes // 3
         cuts: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = []
         size, owner = 0, object()
         for tensor, param in found:
             starts_new = param is None or param is not owner
-            if not cuts or (starts_new and size >= self.chunk_bytes):
+            if not cuts or (starts_new and size >= limit):
                 cuts.append([])
                 size = 0
             cuts[-1].append((tensor, param))
@@ -290,14 +308,18 @@ class OptimizerStateOffloader:
             for tensor, param in cut:
                 nbytes = tensor.numel() * tensor.element_size()
                 host = _view(self._slab.tensor, start + offset, tensor)
-                entries.append(_Entry(tensor, host, offset, nbytes, is_param=param is tensor))
+                entries.append(_Entry(tensor, host, start + offset, offset, nbytes, is_param=param is tensor))
                 offset += _aligned(nbytes)
             params = list({id(p): p for _, p in cut if p is not None}.values())
-            # touched: the values exist only on the GPU so far, so the first offload must copy them.
-            chunks.append(_Chunk(entries, params, self._slab.tensor[start : start + offset], offset, touched=True))
+            # in_block False and touched: the values exist only on the GPU, the first offload copies them.
+            for entry in entries:
+                entry.in_block = False
+            chunks.append(_Chunk(entries, params, offset, touched=True))
             start += offset
-        self._chunks, self._plan_key = chunks, key
+        self._chunks, self._plan_key, self._slab_used = chunks, key, start
         self._planned = {id(t) for t, _ in found}
+        offloaded_params = {id(p) for chunk in chunks for p in chunk.params}
+        self._kept_params = {id(p) for _, p in found if p is not None and id(p) not in offloaded_params}
         self._loose_masters = any(param is None for cut in offloaded for _, param in cut)
         self._device = found[0][0].device if found else None
         self.stats.host_bytes = host_bytes
@@ -312,6 +334,39 @@ class OptimizerStateOffloader:
                 kept / 1024**3,
             )
 
+    def _has_state(self) -> bool:
+        return any(self.optimizer.state.get(p) for group in self.optimizer.param_groups for p in group["params"])
+
+    def _adopt_new_state(self, chunk: _Chunk) -> None:
+        """Plan the state the optimizer has just created for the chunk's params (Adam's moments, at its
+        first step) into the chunk, with host room at the end of the slab, so it leaves with the chunk
+        instead of making the whole state come back for a new plan. No room: left for the next plan."""
+        for param in chunk.params:
+            for key, value in self.optimizer.state.get(param, {}).items():
+                if id(value) in self._planned or key in self.keep_state_keys or not _shaped_like(value, param):
+                    continue
+                nbytes = value.numel() * value.element_size()
+                if self._slab is None or self._slab_used + _aligned(nbytes) > self._slab.nbytes:
+                    return
+                host = _view(self._slab.tensor, self._slab_used, value)
+                chunk.entries.append(_Entry(value, host, self._slab_used, chunk.nbytes, nbytes, False, in_block=False))
+                self._slab_used += _aligned(nbytes)
+                chunk.nbytes += _aligned(nbytes)
+                self._planned.add(id(value))
+                self.stats.host_bytes += _aligned(nbytes)
+
+    def _settle_plan(self) -> None:
+        """After a step: adopt the current tensor set as the plan if every tensor in it is planned
+        (the moments of params kept on the GPU join the kept set)."""
+        current = list(self._offloadable_tensors())
+        for tensor, param in current:
+            if id(tensor) not in self._planned:
+                if param is None or id(param) not in self._kept_params:
+                    return  # something new outside any chunk: the next offload makes a new plan
+                self._planned.add(id(tensor))
+                self.stats.resident_bytes += _aligned(tensor.numel() * tensor.element_size())
+        self._plan_key = tuple((id(t), t.dtype, t.numel()) for t, _ in current)
+
     def _make_room(self, host_bytes: int) -> None:
         """Keep the host slab if it is large enough, else pin a new one. Before Adam's first step only
         the masters exist: the slab is then sized for the moments too, so it is pinned only once."""
@@ -321,7 +376,7 @@ class OptimizerStateOffloader:
             return
         self._release_slab()
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        if not any(self.optimizer.state.get(p) for p in params):
+        if not self._has_state():
             moments = 2 * sum(_aligned(p.numel() * p.element_size()) for p in params if p.requires_grad)
             host_bytes += int(self.fraction * moments)
         if self.check_host_memory:
@@ -362,11 +417,13 @@ class OptimizerStateOffloader:
         if chunk.touched:
             if out_stream is not None:
                 out_stream.wait_stream(self._compute_stream())  # the update must be written first
+            slab = self._slab.tensor
             with self._timed("offload", out_stream) as done:
-                if chunk.gpu is not None:
-                    chunk.host.copy_(chunk.gpu, non_blocking=True)
-                else:  # tensors the optimizer made itself: not yet in one block of ours
-                    for entry in chunk.entries:
+                in_block = [entry for entry in chunk.entries if entry.in_block and chunk.gpu is not None]
+                for host, offset, size in _runs(in_block):
+                    slab[host : host + size].copy_(chunk.gpu[offset : offset + size], non_blocking=True)
+                for entry in chunk.entries:  # tensors the optimizer made itself, not in a block of ours
+                    if not (entry.in_block and chunk.gpu is not None):
                         entry.host.copy_(entry.tensor, non_blocking=True)
             chunk.left = done
             self.stats.bytes_offloaded += chunk.nbytes
@@ -375,6 +432,7 @@ class OptimizerStateOffloader:
                 # The allocator must not hand this memory to new work until the copies have used it.
                 entry.tensor.record_stream(out_stream)
             entry.tensor.data = entry.host  # drops the last reference to the device memory
+            entry.in_block = True  # the next copy-in puts it in the chunk's block
         chunk.gpu, chunk.arriving, chunk.touched, chunk.offloaded = None, None, False, True
 
     def _copy_in(self, chunk: _Chunk, block: torch.Tensor | None = None, after: torch.cuda.Event | None = None) -> None:
@@ -397,8 +455,10 @@ class OptimizerStateOffloader:
             for event in (chunk.left, after):  # the host copy must be complete; the block free
                 if event is not None:
                     in_stream.wait_event(event)
+        slab = self._slab.tensor
         with self._timed("prefetch", in_stream) as done:
-            block.copy_(chunk.host, non_blocking=True)
+            for host, offset, size in _runs(chunk.entries):
+                block[offset : offset + size].copy_(slab[host : host + size], non_blocking=True)
         if in_stream is not None:
             block.record_stream(in_stream)
         for entry in chunk.entries:
@@ -474,15 +534,16 @@ class OptimizerStateOffloader:
         Chunks already back are updated first; the others stream through two staging buffers
         (copy in i+1, update i, copy out i-1). ``after_chunk(params)`` runs right after each chunk's
         update, while its state is on the GPU (Megatron copies the masters into the model there).
-        Falls back to one whole step while the plan is incomplete (the first step creates Adam's moments).
+        State the optimizer creates on the way (Adam's moments, at its first step) joins its chunk and
+        leaves with it. Falls back to one whole step when the plan no longer matches the state (after a
+        load replaced tensors).
         NOTE: stepping a subset of params per call gives bitwise the same result as one call only for
         optimizers that update each param from its own state and gradient (Adam, AdamW, SGD), not for
         those that mix params (LAMB's global norm).
         """
         stepper = RestrictedStep(self.optimizer)
         all_params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        first_step = any(not self.optimizer.state.get(p) for p in all_params if p.grad is not None)
-        if first_step or self._loose_masters or not self._chunks or self._plan_key != self._current_key():
+        if self._loose_masters or not self._chunks or self._plan_key != self._current_key():
             try:
                 self.wait()
                 stepper(all_params)
@@ -510,11 +571,14 @@ class OptimizerStateOffloader:
                 stepper(params)
                 if after_chunk is not None:
                     after_chunk(params)
+                for chunk in ready:
+                    self._adopt_new_state(chunk)
             for index, chunk in enumerate(streamed):
                 self._hand_to_compute(chunk)
                 stepper(chunk.params)
                 if after_chunk is not None:
                     after_chunk(chunk.params)
+                self._adopt_new_state(chunk)
                 self._copy_out(chunk)
                 if index + 2 < len(streamed):
                     upcoming = streamed[index + 2]
@@ -524,6 +588,7 @@ class OptimizerStateOffloader:
             for chunk in self._chunks:
                 if not chunk.offloaded:
                     self._copy_out(chunk)
+            self._settle_plan()
             self._count_offload()
 
     @contextlib.contextmanager

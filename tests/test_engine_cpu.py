@@ -383,3 +383,16 @@ def test_bad_chunk_size_and_fraction_name_the_flag() -> None:
         offloader_for(optimizer, masters, chunk_bytes=0)
     with pytest.raises(ValueError, match="--offload-fraction"):
         offloader_for(optimizer, masters, fraction=1.5)
+
+
+def test_adam_first_moments_join_their_chunks_without_a_new_plan() -> None:
+    optimizer, masters = many_masters()
+    offloader = offloader_for(optimizer, masters, chunk_bytes=6000)
+    offloader.offload()  # at attach: only the masters exist
+    chunks, slab = list(offloader._chunks), offloader._slab
+    set_grads(optimizer, 0)
+    offloader.run_step()  # Adam's first step creates the moments chunk by chunk
+    assert offloader._chunks == chunks and offloader._slab is slab  # same plan, same pinned slab
+    assert all(in_host_slab(offloader, optimizer.state[p][key]) for p in masters for key in ("exp_avg", "exp_avg_sq"))
+    assert offloader.stats.host_bytes == sum(3 * aligned(m.numel() * 4) for m in masters)
+    assert all(len(chunk.entries) == 3 * len(chunk.params) for chunk in chunks)
