@@ -2,7 +2,8 @@
 our offload under each prefetch policy, with a naive synchronous offload (everything copied back before
 the step and out after it, nothing overlapped: the floor a smarter scheme must beat) and with
 megatron-core's HybridDeviceOptimizer (Adam on the CPU); plus plain pinned copies of the same size, so
-the offloader's copies can be read as a fraction of what the link gives.
+the offloader's copies can be read as a fraction of what the link gives. Memory and time are taken
+after two warm-up iterations; the acceptance figures of each shape are computed at the end.
 
     PYTHONPATH=/tmp/site:. python benchmarks/offload_bandwidth.py --json results.json
 """
@@ -37,9 +38,10 @@ SHAPES = {
         ffn_hidden_size=8192,
         num_attention_heads=16,
         seq_length=2048,
-        micro_batch_size=12,
+        micro_batch_size=16,
     ),  # fmt: skip
 }
+WARMUP = 2  # iterations left out of every figure (the first builds the plan and pins the slab)
 HYBRID = {  # megatron-core's --optimizer-cpu-offload, whole state on the CPU
     "optimizer_cpu_offload": True,
     "use_precision_aware_optimizer": True,
@@ -90,9 +92,11 @@ def naive_offload(training: GPTTraining) -> Any:
 
 VARIANTS: dict[str, tuple[dict[str, Any], Callable[[GPTTraining], Any] | None]] = {
     "no offload": ({}, None),
-    "offload, prefetch=finalize": ({}, lambda t: attach_offloader(t.optimizer, prefetch="finalize")),
-    "offload, prefetch=step": ({}, lambda t: attach_offloader(t.optimizer, prefetch="step")),
-    "naive synchronous offload": ({}, naive_offload),
+    "auto": ({}, lambda t: attach_offloader(t.optimizer, prefetch="auto")),
+    "auto, chunks of 256 MiB": ({}, lambda t: attach_offloader(t.optimizer, prefetch="auto", chunk_mb=256)),
+    "finalize": ({}, lambda t: attach_offloader(t.optimizer, prefetch="finalize")),
+    "step (streamed)": ({}, lambda t: attach_offloader(t.optimizer, prefetch="step")),
+    "naive synchronous": ({}, naive_offload),
     "HybridDeviceOptimizer": (HYBRID, None),
 }
 
@@ -105,8 +109,12 @@ def run(shape: GPTShape, steps: int, overrides: dict[str, Any], attach: Callable
     training = build_gpt_training(shape, optimizer_overrides=overrides)
     handle = attach(training) if attach else None
     step_seconds, copy_seconds = [], []
+    first_iteration_peak = 0
     torch.cuda.reset_peak_memory_stats()
     for iteration in range(steps):
+        if iteration == WARMUP:
+            first_iteration_peak = torch.cuda.max_memory_allocated() - before
+            torch.cuda.reset_peak_memory_stats()
         torch.cuda.synchronize()
         start = time.perf_counter()
         training.train_step(iteration)
@@ -116,16 +124,19 @@ def run(shape: GPTShape, steps: int, overrides: dict[str, Any], attach: Callable
             stats = handle.read_stats()
             copy_seconds.append((stats.last_offload_seconds, stats.last_prefetch_seconds, stats.last_exposed_seconds))
     result: dict[str, Any] = {
-        "median_step_s": statistics.median(step_seconds[2:]),
+        "median_step_s": statistics.median(step_seconds[WARMUP:]),
         "peak_allocated_GiB": (torch.cuda.max_memory_allocated() - before) / GIB,
+        "warmup_peak_allocated_GiB": first_iteration_peak / GIB,
         "peak_reserved_GiB": torch.cuda.max_memory_reserved() / GIB,
         "allocated_between_steps_GiB": (torch.cuda.memory_allocated() - before) / GIB,
     }
     if handle is not None:
-        out, back, exposed = (statistics.median(column) for column in zip(*copy_seconds[2:], strict=True))
-        offloaded = handle.read_stats().gpu_bytes_freed
+        out, back, exposed = (statistics.median(column) for column in zip(*copy_seconds[WARMUP:], strict=True))
+        stats = handle.read_stats()
+        offloaded = stats.host_bytes  # each step moves all of it out and all of it back
         result |= {"offloaded_GB": offloaded / GB, "copy_out_s": out, "copy_back_s": back, "exposed_s": exposed}
         result |= {"copy_out_GBps": offloaded / out / GB, "copy_back_GBps": offloaded / back / GB}
+        result["streamed_share"] = stats.bytes_streamed / max(stats.bytes_prefetched, 1)
         handle.detach()
     return result
 
@@ -144,7 +155,7 @@ def bench_shape(shape: GPTShape, steps: int) -> dict[str, Any]:
             row["step_time_ratio"] = row["median_step_s"] / base["median_step_s"]
             row["peak_saving_GiB"] = base["peak_allocated_GiB"] - row["peak_allocated_GiB"]
             row["between_steps_saving_GiB"] = base["allocated_between_steps_GiB"] - row["allocated_between_steps_GiB"]
-    ours = rows["offload, prefetch=finalize"]
+    ours = rows["auto"]
     pinned = pinned_bandwidth(int(ours["offloaded_GB"] * GB))
     # fwd+bwd of one micro-batch is about 3 forwards; the step's own time is small beside them
     forward_s = base["median_step_s"] / (3 * shape.num_micro_batches)
@@ -152,9 +163,35 @@ def bench_shape(shape: GPTShape, steps: int) -> dict[str, Any]:
         "shape": vars(shape),
         "pinned_copy": pinned,
         "estimated_forward_per_micro_batch_s": forward_s,
-        "one_way_copy_s": ours["copy_out_s"],
+        "one_way_copy_s": ours["offloaded_GB"] * GB / (pinned["d2h_GBps"] * GB),
         "variants": rows,
+        "acceptance": acceptance(rows, pinned),
     }
+
+
+def acceptance(rows: dict[str, Any], pinned: dict[str, float]) -> dict[str, float]:
+    """The figures issue 5 judges ``auto`` by, from this run alone."""
+    names = ("auto", "no offload", "naive synchronous", "HybridDeviceOptimizer")
+    auto, base, naive, hybrid = (rows[name] for name in names)
+    one_transfer_s = auto["offloaded_GB"] / (pinned["both_GBps"] / 2)  # per direction, both running
+    state_GiB = auto["offloaded_GB"] * GB / GIB
+    figures = {
+        "added_s": auto["median_step_s"] - base["median_step_s"],
+        "one_transfer_s": one_transfer_s,
+        "added_over_one_transfer": (auto["median_step_s"] - base["median_step_s"]) / one_transfer_s,
+        "overhead": auto["step_time_ratio"] - 1,
+        "peak_saving_vs_naive": auto["peak_saving_GiB"] / naive["peak_saving_GiB"] if naive["peak_saving_GiB"] else 0.0,
+        "peak_saving_vs_state": auto["peak_saving_GiB"] / state_GiB,
+        "speedup_vs_naive": naive["median_step_s"] / auto["median_step_s"],
+        "copy_out_vs_pinned": auto["copy_out_GBps"] / pinned["d2h_GBps"],
+        "copy_back_vs_pinned": auto["copy_back_GBps"] / pinned["h2d_GBps"],
+        # where the two directions overlap, each gets its share of what both at once give
+        "copy_out_vs_pinned_both": auto["copy_out_GBps"] / (pinned["both_GBps"] / 2),
+        "copy_back_vs_pinned_both": auto["copy_back_GBps"] / (pinned["both_GBps"] / 2),
+    }
+    if "error" not in hybrid:
+        figures["speedup_vs_hybrid"] = hybrid["median_step_s"] / auto["median_step_s"]
+    return figures
 
 
 def main() -> None:

@@ -27,18 +27,24 @@ def main(folder: Path) -> None:
                 f"one-way copy {shape['one_way_copy_s'] * 1e3:.0f} ms; pinned d2h/h2d/both "
                 f"{pinned['d2h_GBps']:.1f}/{pinned['h2d_GBps']:.1f}/{pinned['both_GBps']:.1f} GB/s"
             )
-            print(f"{'variant':28} {'step ms':>8} {'x base':>7} {'peak GiB':>9} {'peak -GiB':>9} {'out/in GB/s':>16}")
+            print(
+                f"{'variant':26} {'step ms':>8} {'x base':>7} {'peak GiB':>9} {'peak -GiB':>9} {'exposed ms':>10} "
+                f"{'out/in GB/s':>12}"
+            )
             for name, row in shape["variants"].items():
                 if "error" in row:
-                    print(f"{name:28} not run: {row['error'][:90]}")
+                    print(f"{name:26} not run: {row['error'][:90]}")
                     continue
-                copies = ""
+                copies, exposed = "", ""
                 if "copy_out_GBps" in row:
                     copies = f"{row['copy_out_GBps']:.1f}/{row['copy_back_GBps']:.1f}"
+                    exposed = f"{row['exposed_s'] * 1e3:.1f}"
                 print(
-                    f"{name:28} {row['median_step_s'] * 1e3:8.1f} {row['step_time_ratio']:7.3f} "
-                    f"{row['peak_allocated_GiB']:9.2f} {row['peak_saving_GiB']:9.2f} {copies:>16}"
+                    f"{name:26} {row['median_step_s'] * 1e3:8.1f} {row['step_time_ratio']:7.3f} "
+                    f"{row['peak_allocated_GiB']:9.2f} {row['peak_saving_GiB']:9.2f} {exposed:>10} {copies:>12}"
                 )
+            if "acceptance" in shape:
+                print("auto: " + ", ".join(f"{key} {value:.3f}" for key, value in shape["acceptance"].items()))
 
 
 def integration_table(folder: Path) -> None:

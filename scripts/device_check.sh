@@ -6,6 +6,7 @@
 #   usage: scripts/device_check.sh [MCORE_VERSION ...]   (default: every .whl/mcore-*/ carried)
 #   env:   GPUS=1|2 (integration entries to run; default: as many GPUs as there are, at most 2)
 #          SKIP_TESTS=1, SKIP_BENCH=1, SKIP_INTEGRATION=1 to leave a part out
+#          BENCH_ALL_VERSIONS=1 to benchmark every version (default: the newest only); BENCH_STEPS (8)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 results=${RESULTS:-device-results}
@@ -29,9 +30,10 @@ for v in "${versions[@]}"; do
       || status=1
     grep -E "passed|failed|error" "$results/pytest-$v.log" | tail -n 15
   fi
-  if [ -z "${SKIP_BENCH:-}" ]; then
+  if [ -z "${SKIP_BENCH:-}" ] && { [ -n "${BENCH_ALL_VERSIONS:-}" ] || [ "$v" = "${versions[-1]}" ]; }; then
     echo "=== megatron-core $v: benchmark"
-    python3 benchmarks/offload_bandwidth.py --json "$results/bench-$v.json" >"$results/bench-$v.log" 2>&1 \
+    python3 benchmarks/offload_bandwidth.py --steps "${BENCH_STEPS:-8}" --json "$results/bench-$v.json" \
+      >"$results/bench-$v.log" 2>&1 \
       || { status=1; tail -n 30 "$results/bench-$v.log"; }
   fi
 done
