@@ -277,51 +277,58 @@ class OptimizerStateOffloader:
         chunk resident (the caller waits first)."""
         found = list(self._offloadable_tensors())
         key = tuple((id(t), t.dtype, t.numel()) for t, _ in found)
-        if key == self._plan_key:
+        if self._slab is not None and key == self._plan_key:
             return
-        # Cut into chunks of whole parameters, in the order the optimizer steps them. Before Adam's
-        # first step only the masters exist; its two moments will join their chunk, so cut at a third.
-        limit = self.chunk_bytes if self._has_state() else self.chunk_bytes // 3
-        cuts: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = []
-        size, owner = 0, object()
+        # Cut into chunks of whole parameters, in the order the optimizer steps them. A param's size
+        # counts the two Adam moments its first step will create, which then join its chunk.
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        tensors_of: dict[int, list[torch.Tensor]] = {}
         for tensor, param in found:
-            starts_new = param is None or param is not owner
-            if not cuts or (starts_new and size >= limit):
+            tensors_of.setdefault(id(param) if param is not None else id(tensor), []).append(tensor)
+        owners = [(p, tensors_of.get(id(p), [])) for p in params]
+        owners += [(None, [t]) for t, p in found if p is None]  # masters outside the optimizer
+        cuts: list[list[tuple[torch.Tensor | None, list[torch.Tensor], int]]] = []
+        size = 0
+        for param, tensors in owners:
+            expected = sum(_aligned(t.numel() * t.element_size()) for t in tensors)
+            if param is not None and not self.optimizer.state.get(param) and param.requires_grad:
+                expected += 2 * _aligned(param.numel() * param.element_size())
+            if not cuts or size >= self.chunk_bytes or param is None:
                 cuts.append([])
                 size = 0
-            cuts[-1].append((tensor, param))
-            size += _aligned(tensor.numel() * tensor.element_size())
-            owner = param
-        total = sum(_aligned(t.numel() * t.element_size()) for t, _ in found)
+            cuts[-1].append((param, tensors, expected))
+            size += expected
+        total = sum(expected for cut in cuts for _, _, expected in cut)
         # Offload whole chunks from the front, as near the fraction as chunks allow; keep the rest.
-        offloaded, host_bytes = [], 0
+        offloaded, reserve, kept = [], 0, 0
         for cut in cuts:
-            nbytes = sum(_aligned(t.numel() * t.element_size()) for t, _ in cut)
-            if host_bytes + nbytes / 2 <= self.fraction * total:
+            expected = sum(e for _, _, e in cut)
+            if reserve + expected / 2 <= self.fraction * total:
                 offloaded.append(cut)
-                host_bytes += nbytes
-        kept = total - host_bytes
-        self._make_room(host_bytes)
+                reserve += expected
+            else:
+                kept += sum(_aligned(t.numel() * t.element_size()) for _, tensors, _ in cut for t in tensors)
+        host_bytes = sum(_aligned(t.numel() * t.element_size()) for c in offloaded for _, ts, _ in c for t in ts)
+        self._make_room(reserve)
         chunks, start = [], 0
         for cut in offloaded:
             entries, offset = [], 0
-            for tensor, param in cut:
-                nbytes = tensor.numel() * tensor.element_size()
-                host = _view(self._slab.tensor, start + offset, tensor)
-                entries.append(_Entry(tensor, host, start + offset, offset, nbytes, is_param=param is tensor))
-                offset += _aligned(nbytes)
-            params = list({id(p): p for _, p in cut if p is not None}.values())
-            # in_block False and touched: the values exist only on the GPU, the first offload copies them.
-            for entry in entries:
-                entry.in_block = False
-            chunks.append(_Chunk(entries, params, offset, touched=True))
+            for param, tensors, _ in cut:
+                for tensor in tensors:
+                    nbytes = tensor.numel() * tensor.element_size()
+                    host = _view(self._slab.tensor, start + offset, tensor)
+                    # in_block False: the values exist only on the GPU so far; the first offload copies them.
+                    entries.append(_Entry(tensor, host, start + offset, offset, nbytes, param is tensor, False))
+                    offset += _aligned(nbytes)
+            chunk_params = [param for param, _, _ in cut if param is not None]
+            chunks.append(_Chunk(entries, chunk_params, offset, touched=True))
             start += offset
         self._chunks, self._plan_key, self._slab_used = chunks, key, start
         self._planned = {id(t) for t, _ in found}
         offloaded_params = {id(p) for chunk in chunks for p in chunk.params}
-        self._kept_params = {id(p) for _, p in found if p is not None and id(p) not in offloaded_params}
-        self._loose_masters = any(param is None for cut in offloaded for _, param in cut)
-        self._device = found[0][0].device if found else None
+        self._kept_params = {id(p) for p in params if id(p) not in offloaded_params}
+        self._loose_masters = any(param is None for cut in offloaded for param, _, _ in cut)
+        self._device = found[0][0].device if found else (params[0].device if params else None)
         self.stats.host_bytes = host_bytes
         self.stats.resident_bytes = kept
         self.stats.pinned = self._slab.pinned or host_bytes == 0
@@ -368,17 +375,13 @@ class OptimizerStateOffloader:
         self._plan_key = tuple((id(t), t.dtype, t.numel()) for t, _ in current)
 
     def _make_room(self, host_bytes: int) -> None:
-        """Keep the host slab if it is large enough, else pin a new one. Before Adam's first step only
-        the masters exist: the slab is then sized for the moments too, so it is pinned only once."""
+        """Keep the host slab if it is large enough, else pin a new one of ``host_bytes``, which counts
+        the moments Adam's first step will add, so that the slab is pinned only once."""
         if self._slab is not None and self._slab.nbytes >= host_bytes:
             if self._on_cuda:
                 torch.cuda.synchronize(self._device)  # no copy may still use the old layout
             return
         self._release_slab()
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        if not self._has_state():
-            moments = 2 * sum(_aligned(p.numel() * p.element_size()) for p in params if p.requires_grad)
-            host_bytes += int(self.fraction * moments)
         if self.check_host_memory:
             # Other ranks on this node may have pinned theirs already: count only our own bytes here.
             check_host_room(host_bytes, ranks=1)
@@ -482,7 +485,7 @@ class OptimizerStateOffloader:
     @torch.no_grad()
     def offload(self) -> None:
         """Copy every resident chunk to host memory on a side stream and release its device memory."""
-        if self._plan_key != self._current_key():
+        if self._slab is None or self._plan_key != self._current_key():
             self.wait()  # chunks still coming in must land before the plan can change
             self._refresh_plan()
         resident = [chunk for chunk in self._chunks if not chunk.offloaded]
@@ -492,6 +495,8 @@ class OptimizerStateOffloader:
             self._count_offload()
 
     def _count_offload(self) -> None:
+        if not self.stats.host_bytes:
+            return  # nothing to move yet (Adam state not created, masters kept)
         self.stats.offloads += 1
         self.stats.gpu_bytes_freed = self.offloaded_bytes
         self._step_index += 1

@@ -396,3 +396,19 @@ def test_adam_first_moments_join_their_chunks_without_a_new_plan() -> None:
     assert all(in_host_slab(offloader, optimizer.state[p][key]) for p in masters for key in ("exp_avg", "exp_avg_sq"))
     assert offloader.stats.host_bytes == sum(3 * aligned(m.numel() * 4) for m in masters)
     assert all(len(chunk.entries) == 3 * len(chunk.params) for chunk in chunks)
+
+
+@pytest.mark.parametrize("offloaded_masters", [slice(0, 3), slice(0, 0)])
+def test_params_without_an_offloaded_master_get_their_moments_planned(offloaded_masters: slice) -> None:
+    # Megatron's fp32 params (and every param under --no-offload-master-weights) are optimizer params
+    # whose own tensor stays put; only the moments their first step creates leave.
+    optimizer, masters = many_masters()
+    offloader = offloader_for(optimizer, masters[offloaded_masters], chunk_bytes=6000)
+    offloader.offload()
+    chunks = list(offloader._chunks)
+    set_grads(optimizer, 0)
+    offloader.run_step()
+    assert offloader._chunks == chunks  # no new plan, so nothing came back whole
+    assert all(in_host_slab(offloader, optimizer.state[p]["exp_avg_sq"]) for p in masters)
+    assert [in_host_slab(offloader, p) for p in masters] == [i in range(7)[offloaded_masters] for i in range(7)]
+    assert offloader.stats.offloads == (2 if offloaded_masters.stop else 1)
