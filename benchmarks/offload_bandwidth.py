@@ -17,6 +17,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from copy import copy
 from importlib.metadata import version
 from typing import Any
 
@@ -108,24 +109,25 @@ def run(shape: GPTShape, steps: int, overrides: dict[str, Any], attach: Callable
     before = torch.cuda.memory_allocated()
     training = build_gpt_training(shape, optimizer_overrides=overrides)
     handle = attach(training) if attach else None
-    step_seconds, copy_seconds = [], []
+    at_warmup = None
     first_iteration_peak = 0
     torch.cuda.reset_peak_memory_stats()
-    torch.cuda.synchronize()
-    last = time.perf_counter()
+    marks = []
     for iteration in range(steps):
         if iteration == WARMUP:
+            torch.cuda.synchronize()
             first_iteration_peak = torch.cuda.max_memory_allocated() - before
             torch.cuda.reset_peak_memory_stats()
-        # No device-wide sync between iterations: copies out may run on into the next iteration, as in
-        # training. train_step ends by reading the loss, so the compute stream is done at each mark.
-        training.train_step(iteration)
-        now = time.perf_counter()
-        step_seconds.append(now - last)
-        last = now
-        if handle is not None:
-            stats = handle.read_stats()
-            copy_seconds.append((stats.last_offload_seconds, stats.last_prefetch_seconds, stats.last_exposed_seconds))
+            at_warmup = copy(handle.read_stats()) if handle is not None else None
+        # Iterations are timed on the compute stream, with no host sync between them, and the loss is
+        # not read, as in Megatron-LM between log intervals: copies out run on into the next iteration.
+        marks.append(torch.cuda.Event(enable_timing=True))
+        marks[-1].record()
+        training.train_step(iteration, read_loss=False)
+    marks.append(torch.cuda.Event(enable_timing=True))
+    marks[-1].record()
+    torch.cuda.synchronize()
+    step_seconds = [start.elapsed_time(end) / 1e3 for start, end in zip(marks, marks[1:], strict=False)]
     result: dict[str, Any] = {
         "median_step_s": statistics.median(step_seconds[WARMUP:]),
         "peak_allocated_GiB": (torch.cuda.max_memory_allocated() - before) / GIB,
@@ -134,8 +136,11 @@ def run(shape: GPTShape, steps: int, overrides: dict[str, Any], attach: Callable
         "allocated_between_steps_GiB": (torch.cuda.memory_allocated() - before) / GIB,
     }
     if handle is not None:
-        out, back, exposed = (statistics.median(column) for column in zip(*copy_seconds[WARMUP:], strict=True))
-        stats = handle.read_stats()
+        stats, measured = handle.read_stats(), steps - WARMUP
+        out, back, exposed = (
+            (getattr(stats, name) - getattr(at_warmup, name)) / measured
+            for name in ("offload_seconds", "prefetch_seconds", "exposed_seconds")
+        )
         offloaded = stats.host_bytes  # each step moves all of it out and all of it back
         result |= {"offloaded_GB": offloaded / GB, "copy_out_s": out, "copy_back_s": back, "exposed_s": exposed}
         result |= {"copy_out_GBps": offloaded / out / GB, "copy_back_GBps": offloaded / back / GB}

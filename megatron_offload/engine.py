@@ -291,7 +291,8 @@ class OptimizerStateOffloader:
         size = 0
         for param, tensors in owners:
             expected = sum(_aligned(t.numel() * t.element_size()) for t in tensors)
-            if param is not None and not self.optimizer.state.get(param) and param.requires_grad:
+            # (Megatron's masters do not require grad, yet Adam steps them: their grads are set by hand.)
+            if param is not None and not self.optimizer.state.get(param):
                 expected += 2 * _aligned(param.numel() * param.element_size())
             if not cuts or size >= self.chunk_bytes or param is None:
                 cuts.append([])

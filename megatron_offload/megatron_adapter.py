@@ -46,7 +46,7 @@ MIB = 1024**2
 # Least room kept free under the level backward started from when bringing state back during
 # backward (see _PrefetchDuringBackward for the learned margin).
 PACING_MIN_MARGIN_BYTES = 64 * MIB
-PACING_SAMPLES = 64  # memory readings per backward (each builds torch's whole stats dict)
+PACING_SAMPLES = 64  # memory readings per backward
 _saving: set[int] = set()  # id() of each offloader whose sharded_state_dict is building a save right now
 
 # DistributedOptimizer methods that read or write optimizer state outside step() (checkpointing,
@@ -217,7 +217,7 @@ class _PrefetchDuringBackward:
         self.calls += 1
         if self.calls % self.every:
             return
-        natural = torch.cuda.memory_allocated() - self.brought
+        natural = _allocated_bytes() - self.brought
         if self.previous is not None:
             self.largest_drop = max(self.largest_drop, self.previous - natural)
         self.previous = natural
@@ -245,6 +245,15 @@ class _PrefetchDuringBackward:
         for hook in self.hooks:
             hook.remove()
         self.hooks.clear()
+
+
+def _allocated_bytes() -> int:
+    """``torch.cuda.memory_allocated()`` without flattening every allocator statistic into a new dict
+    on each call, which the backward hooks would pay many times per iteration."""
+    stats = getattr(torch._C, "_cuda_memoryStats", None)
+    if stats is None:
+        return torch.cuda.memory_allocated()
+    return stats(torch.cuda.current_device())["allocated_bytes"]["all"]["current"]
 
 
 def _master_weights(dist_opt: Any) -> list[Any]:

@@ -136,8 +136,12 @@ class GPTTraining:
     loss_scale: float | None = None
     skip_next_step: bool = field(default=False, repr=False)
 
-    def train_step(self, iteration: int) -> tuple[float, bool]:
-        """One iteration as in Megatron-LM's train_step; returns (mean loss, update_successful)."""
+    def train_step(self, iteration: int, read_loss: bool = True) -> tuple[float, bool]:
+        """One iteration as in Megatron-LM's train_step; returns (mean loss, update_successful).
+
+        ``read_loss=False`` leaves the loss on the GPU (NaN is returned), as Megatron-LM does between
+        log intervals: reading it waits for every device-to-host copy queued before it.
+        """
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -157,7 +161,7 @@ class GPTTraining:
         update_successful, _grad_norm, _num_zeros = self.optimizer.step()
         totals = torch.stack([d["lm loss"] for d in losses]).sum(dim=0)
         torch.distributed.all_reduce(totals, group=parallel_state.get_data_parallel_group())
-        return (totals[0] / totals[1]).item(), bool(update_successful)
+        return (totals[0] / totals[1]).item() if read_loss else float("nan"), bool(update_successful)
 
 
 def build_gpt_training(
