@@ -387,6 +387,8 @@ def test_bad_chunk_size_and_fraction_name_the_flag() -> None:
 
 def test_adam_first_moments_join_their_chunks_without_a_new_plan() -> None:
     optimizer, masters = many_masters()
+    for master in masters:
+        master.requires_grad_(False)  # as Megatron's masters: Adam steps them, their grads set by hand
     offloader = offloader_for(optimizer, masters, chunk_bytes=6000)
     offloader.offload()  # at attach: only the masters exist
     chunks, slab = list(offloader._chunks), offloader._slab
