@@ -27,6 +27,10 @@ __all__ = ["OffloadStats", "OptimizerStateOffloader", "RestrictedStep"]
 
 ALIGN = 256  # byte alignment of every tensor inside a chunk (and of chunks in the host slab)
 DEFAULT_CHUNK_BYTES = 64 * 1024**2
+# Chunks already on the GPU at the step are updated in groups of about this size: one optimizer call
+# each (few launches), while the optimizer's temporaries (a foreach Adam makes some the size of a
+# moment) stay bounded instead of growing with all that came back early.
+READY_GROUP_BYTES = 512 * 1024**2
 
 
 @dataclass
@@ -572,12 +576,16 @@ class OptimizerStateOffloader:
                 self._copy_in(chunk, staging[index][: chunk.nbytes])
             for chunk in ready:
                 self._hand_to_compute(chunk)
-            if ready or resident_params:
-                params = [p for chunk in ready for p in chunk.params] + resident_params
+            if resident_params:
+                stepper(resident_params)
+                if after_chunk is not None:
+                    after_chunk(resident_params)
+            for group in self._ready_groups(ready):
+                params = [p for chunk in group for p in chunk.params]
                 stepper(params)
                 if after_chunk is not None:
                     after_chunk(params)
-                for chunk in ready:
+                for chunk in group:
                     self._adopt_new_state(chunk)
             for index, chunk in enumerate(streamed):
                 self._hand_to_compute(chunk)
@@ -596,6 +604,22 @@ class OptimizerStateOffloader:
                     self._copy_out(chunk)
             self._settle_plan()
             self._count_offload()
+
+    def _ready_groups(self, ready: list[_Chunk]) -> Iterator[list[_Chunk]]:
+        group: list[_Chunk] = []
+        for chunk in ready:
+            if group and sum(c.nbytes for c in group) + chunk.nbytes > max(READY_GROUP_BYTES, self.chunk_bytes):
+                yield group
+                group = []
+            group.append(chunk)
+        if group:
+            yield group
+
+    def step_footprint(self) -> int:
+        """Most device memory ``run_step`` adds beyond what is already resident: two staging chunks, and
+        optimizer temporaries for one group of ready chunks (counted at its full size, to be safe)."""
+        largest = max((chunk.nbytes for chunk in self._chunks), default=self.chunk_bytes)
+        return 2 * max(largest, self.chunk_bytes) + max(READY_GROUP_BYTES, self.chunk_bytes)
 
     @contextlib.contextmanager
     def params_on_device(self) -> Iterator[None]:

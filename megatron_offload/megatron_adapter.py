@@ -133,13 +133,15 @@ class _StreamedStep:
 
     GROUP_LISTS = ("shard_fp32_from_float16_groups", "model_float16_groups", "shard_fp32_groups", "model_fp32_groups")
 
-    def __init__(self, dist_opt: Any, offloader: OptimizerStateOffloader) -> None:
+    def __init__(self, dist_opt: Any, offloader: OptimizerStateOffloader, on_start: Callable[[], None]) -> None:
         self.dist_opt = dist_opt
         self.offloader = offloader
+        self.on_start = on_start
         self.copy_all = dist_opt._copy_main_params_to_model_params
         self.copied = False
 
     def step(self, *args: Any, **kwargs: Any) -> None:
+        self.on_start()
         self.offloader.run_step(self.copy_chunk_to_model)
         self.copied = True
 
@@ -178,11 +180,15 @@ class _PrefetchDuringBackward:
     freed, so the peak does not rise. Driven by gradient-ready hooks.
 
     What is allocated plus what we brought back must stay under the level backward started from (the
-    end of the forward) less a margin for backward's temporaries, which come and go between two
-    hooks where no reading sees them. The margin is learned: twice the most memory freed between two
-    readings (one layer's saved activations; backward's temporaries were measured at 1.5 times that
-    with unfused attention), over earlier iterations. The first iteration only learns, and brings
-    nothing back early.
+    end of the forward), twice over:
+    - during backward, less a margin for backward's temporaries, which come and go between two hooks
+      where no reading sees them. The margin is learned: twice the most memory freed between two
+      readings (one layer's saved activations; backward's temporaries were measured at 1.5 times that
+      with unfused attention);
+    - at the step, where what we brought back is still there when the step makes its own tensors
+      (megatron-core's fp32 copies of bf16 gradients, Adam's temporaries, the streamed step's two
+      staging chunks): what the step holds when it starts is learned too, and its extra is bounded.
+    Both are learned over earlier iterations; the first one that samples only learns.
     NOTE: which backward is the last is counted, not read from DDP's ``is_last_microbatch``: Megatron-LM
     installs ``no_sync`` only with --overlap-grad-reduce, so without it that flag is always set. The
     first iteration counts the backwards (the firings of the param whose gradient comes first).
@@ -196,6 +202,9 @@ class _PrefetchDuringBackward:
         self.brought = 0  # bytes brought back during this backward
         self.largest_drop = 0  # most memory freed between two readings, over all backwards so far
         self.margin: int | None = None  # None until one backward has been seen
+        self.at_step: int | None = None  # most memory held when a step starts, without what we brought
+        self.step_started = False
+        self.step_extra = 0  # what the step adds on top (see OptimizerStateOffloader.step_footprint)
         self.calls = 0
         self.every = 1
         self.first_param: int | None = None  # id of the param whose gradient is ready first in a backward
@@ -224,13 +233,23 @@ class _PrefetchDuringBackward:
         self.level = max(self.level, natural)
         if self.margin is None:
             return
-        room = self.level - self.margin - natural - self.brought
+        if self.at_step is None:
+            return
+        room = min(self.level - self.margin - natural, self.level - self.at_step - self.step_extra) - self.brought
         for offloader in self.handle.offloaders:
             if room <= 0:
                 break
             started = offloader.prefetch(max_bytes=room)
             room -= started
             self.brought += started
+
+    def on_step_start(self) -> None:
+        """Called as the inner optimizer step starts (gradients prepared): learn what the step holds."""
+        if self.step_started or not self.on_gpu:
+            return
+        self.step_started = True
+        held = _allocated_bytes() - self.brought
+        self.at_step = held if self.at_step is None else max(self.at_step, held)
 
     def new_iteration(self) -> None:
         """Called after every step: learn from the backward just seen, start afresh."""
@@ -240,6 +259,8 @@ class _PrefetchDuringBackward:
             self.every = max(1, self.calls // PACING_SAMPLES)
             self.margin = max(PACING_MIN_MARGIN_BYTES, 2 * self.largest_drop)
         self.calls, self.level, self.previous, self.brought, self.backwards = 0, 0, None, 0, 0
+        self.step_started = False
+        self.step_extra = max((offloader.step_footprint() for offloader in self.handle.offloaders), default=0)
 
     def remove(self) -> None:
         for hook in self.hooks:
@@ -300,6 +321,10 @@ class OffloadHandle:
     def prefetch(self) -> None:
         for offloader in self.offloaders:
             offloader.prefetch()
+
+    def _on_step_start(self) -> None:
+        if self._pacer is not None:
+            self._pacer.on_step_start()
 
     def wait(self) -> None:
         for offloader in self.offloaders:
@@ -422,7 +447,7 @@ def attach_offloader(optimizer: Any, config: OffloadConfig | None = None, **over
                 handle._wrap_method(dist_opt, name, lambda inner, o=offloader: _after_wait(inner, o))
         handle._wrap_method(dist_opt, "sharded_state_dict", lambda inner, o=offloader: _save_from_host(inner, o))
         if handle.streamed:
-            streamed = _StreamedStep(dist_opt, offloader)
+            streamed = _StreamedStep(dist_opt, offloader, handle._on_step_start)
             handle._wrap_method(dist_opt.optimizer, "step", lambda _inner, s=streamed: s.step)
             copy_name = "_copy_main_params_to_model_params"
             handle._wrap_method(dist_opt, copy_name, lambda _inner, s=streamed: s.copy_main_params_to_model_params)
