@@ -171,9 +171,9 @@ class OptimizerStateOffloader:
     and while offloaded a tensor is a CPU tensor with the right values: code that reads it gets the
     right numbers (after ``host_copies_ready()``), code that mixes it with GPU tensors gets a device
     error, and a write to it (a checkpoint load) lands in the host copy that the next prefetch brings back.
-    NOTE: the set of tensors is looked up again at every ``offload()``: Adam creates its moments at the
-    first step, and a state-dict load may replace them. The host slab is re-made only when that set
-    changes, which in training happens once.
+    NOTE: the set of tensors is looked up again at every ``offload()``. The moments Adam creates at its
+    first step join their param's chunk (the slab was sized for them); a state-dict load that replaces
+    tensors makes a new plan, in the same slab when it fits. The slab is pinned once in training.
     NOTE: an entry counts as offloadable when it has the parameter's shape (``exp_avg``, ``exp_avg_sq``,
     ``max_exp_avg_sq``, TransformerEngine's ``master_param``) in any dtype; scalars such as ``step``
     stay where they are. Entries that share storage with other tensors stay resident, with a warning.
