@@ -11,6 +11,8 @@ from megatron_offload.config import OffloadConfig, PrefetchPolicy
 
 __all__ = ["add_offload_args", "config_from_args", "validate_offload_args"]
 
+DEFAULTS = OffloadConfig()  # the flags' defaults are the config's, stated once
+
 
 def add_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the offload flags to ``parser`` and return it."""
@@ -31,14 +33,14 @@ def add_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     group.add_argument(
         "--offload-master-weights",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=DEFAULTS.offload_master_weights,
         help="Offload the fp32 master weights too (default). --no-offload-master-weights keeps them on "
         "the GPU: 4 bytes per parameter shard stay resident, and a third less is copied each way.",
     )
     group.add_argument(
         "--offload-prefetch",
         choices=[policy.value for policy in PrefetchPolicy],
-        default=PrefetchPolicy.AUTO.value,
+        default=DEFAULTS.prefetch.value,
         help="When the state comes back to the GPU. 'auto' (default): during the last micro-batch's "
         "backward, into memory backward has freed, and the rest streams through the optimizer step. "
         "'finalize': all of it once backward is done. 'step': none ahead; the step streams it all, "
@@ -47,7 +49,7 @@ def add_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     group.add_argument(
         "--offload-chunk-mb",
         type=float,
-        default=64.0,
+        default=DEFAULTS.chunk_mb,
         metavar="MIB",
         help="Size of the pieces the state moves in (default 64). The streamed optimizer step holds two "
         "of them on the GPU; a parameter larger than this moves as one piece.",
@@ -55,7 +57,7 @@ def add_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     group.add_argument(
         "--offload-fraction",
         type=float,
-        default=1.0,
+        default=DEFAULTS.fraction,
         metavar="F",
         help="Offload this share of the optimizer state (0 to 1, default 1) and keep the rest on the "
         "GPU: lower it when the job fits with less saving and you want less copying.",
@@ -63,7 +65,7 @@ def add_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     group.add_argument(
         "--offload-host-memory-check",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=DEFAULTS.check_host_memory,
         help="Check at start that host memory can hold every rank's offloaded state (default on).",
     )
     return parser
@@ -117,9 +119,9 @@ def validate_offload_args(args: argparse.Namespace) -> None:
 def config_from_args(args: argparse.Namespace) -> OffloadConfig:
     """The OffloadConfig the flags describe (call ``validate_offload_args`` first)."""
     return OffloadConfig(
-        offload_master_weights=getattr(args, "offload_master_weights", True),
-        prefetch=PrefetchPolicy(getattr(args, "offload_prefetch", PrefetchPolicy.AUTO.value)),
-        chunk_mb=getattr(args, "offload_chunk_mb", 64.0),
-        fraction=getattr(args, "offload_fraction", 1.0),
-        check_host_memory=getattr(args, "offload_host_memory_check", True),
+        offload_master_weights=getattr(args, "offload_master_weights", DEFAULTS.offload_master_weights),
+        prefetch=PrefetchPolicy(getattr(args, "offload_prefetch", DEFAULTS.prefetch)),
+        chunk_mb=getattr(args, "offload_chunk_mb", DEFAULTS.chunk_mb),
+        fraction=getattr(args, "offload_fraction", DEFAULTS.fraction),
+        check_host_memory=getattr(args, "offload_host_memory_check", DEFAULTS.check_host_memory),
     )

@@ -243,7 +243,7 @@ class OptimizerStateOffloader:
         """Host bytes this offloader will need at ``fraction`` 1: what exists now, or masters + two
         moments per parameter (Adam) before the first step has created the moments."""
         existing = sum(t.numel() * t.element_size() for t, _ in self._offloadable_tensors())
-        if any(self.optimizer.state.get(p) for group in self.optimizer.param_groups for p in group["params"]):
+        if self._has_state():
             return existing
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         return existing + 2 * sum(p.numel() * p.element_size() for p in params)
@@ -426,13 +426,14 @@ class OptimizerStateOffloader:
             if out_stream is not None:
                 out_stream.wait_stream(self._compute_stream())  # the update must be written first
             slab = self._slab.tensor
+            in_block, own = [], []  # own: tensors the optimizer made itself, not in a block of ours
+            for entry in chunk.entries:
+                (in_block if entry.in_block and chunk.gpu is not None else own).append(entry)
             with self._timed("offload", out_stream) as done:
-                in_block = [entry for entry in chunk.entries if entry.in_block and chunk.gpu is not None]
                 for host, offset, size in _runs(in_block):
                     slab[host : host + size].copy_(chunk.gpu[offset : offset + size], non_blocking=True)
-                for entry in chunk.entries:  # tensors the optimizer made itself, not in a block of ours
-                    if not (entry.in_block and chunk.gpu is not None):
-                        entry.host.copy_(entry.tensor, non_blocking=True)
+                for entry in own:
+                    entry.host.copy_(entry.tensor, non_blocking=True)
             chunk.left = done
             self.stats.bytes_offloaded += chunk.nbytes
         for entry in chunk.entries:
@@ -564,8 +565,7 @@ class OptimizerStateOffloader:
             return
         ready = [chunk for chunk in self._chunks if not chunk.offloaded]
         streamed = [chunk for chunk in self._chunks if chunk.offloaded]
-        planned = {id(p) for chunk in self._chunks for p in chunk.params}
-        resident_params = [p for p in all_params if id(p) not in planned]  # kept by fraction < 1
+        resident_params = [p for p in all_params if id(p) in self._kept_params]  # kept by fraction < 1
         staging = [
             torch.empty(max((c.nbytes for c in streamed), default=0), dtype=torch.uint8, device=self._device)
             for _ in range(min(2, len(streamed)))
