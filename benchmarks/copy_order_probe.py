@@ -1,44 +1,112 @@
-"""Does a small device-to-host read wait for a large copy out queued on another stream?
+"""How long does a 4-byte ``.item()`` wait when it is issued right after an optimizer step that offloads
+the state? Megatron-LM reads a GPU value right after every ``optimizer.step()``.
 
-It does on the H200 we measured: the copy engine serves device-to-host copies in order. So a loss
-``.item()`` right after the optimizer step waits for the state's copy out (see docs/offload.md).
+The copy engine serves device-to-host copies in the order they were queued, so a read queued behind
+the whole copy out waits for all of it. Side by side, on the same state (Adam, fp32 masters):
+- ``all at once``: every chunk's copy out queued on a side stream in one go (the old design);
+- ``offloader, step``: the offloader's streamed step (every chunk comes back through it);
+- ``offloader, finalize``: every chunk back before the step, so the whole state leaves after it.
+The read is timed after the compute stream has finished the step (its own work is not counted).
 
-    python benchmarks/copy_order_probe.py
+    python benchmarks/copy_order_probe.py [--state-gb 8.4] [--json out.json]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import statistics
 import time
 
 import torch
 
+from megatron_offload import OptimizerStateOffloader
 from megatron_offload.host_memory import HostSlab
 
-NBYTES = 2_400_000_000  # about the long-forward benchmark shape's state
+GB = 1e9
+PARAM_NUMEL = 4 * 1024**2  # 16 MiB fp32 masters: a chunk holds a few masters with their moments
+
+
+def timed_read(small: torch.Tensor) -> float:
+    """Milliseconds a 4-float ``.item()`` takes once the compute stream is done with earlier work."""
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()  # what is left is the read itself, and whatever copies it queues behind
+    start = time.perf_counter()
+    small.sum().item()
+    return 1e3 * (time.perf_counter() - start)
+
+
+def all_at_once(nbytes: int, small: torch.Tensor, repeats: int) -> dict[str, float]:
+    slab = HostSlab(nbytes, torch.uint8, pin=True)  # keep the object: the slab unpins when dropped
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    side, piece = torch.cuda.Stream(), 64 * 1024**2
+    waits, seconds = [], []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        side.wait_stream(torch.cuda.current_stream())
+        start = time.perf_counter()
+        with torch.cuda.stream(side):
+            for offset in range(0, nbytes, piece):
+                slab.tensor[offset : offset + piece].copy_(device[offset : offset + piece], non_blocking=True)
+        waits.append(timed_read(small))
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    return {"read_wait_ms": statistics.median(waits), "copy_out_GBps": nbytes / statistics.median(seconds) / GB}
+
+
+def offloader_run(state_gb: float, prefetch: str, small: torch.Tensor, repeats: int) -> dict[str, float]:
+    count = max(1, int(state_gb * GB / 12 / PARAM_NUMEL))  # 12 bytes a parameter: master and two moments
+    masters = [torch.nn.Parameter(torch.randn(PARAM_NUMEL, device="cuda")) for _ in range(count)]
+    optimizer = torch.optim.AdamW(masters, lr=1e-4)
+    offloader = OptimizerStateOffloader(optimizer, masters)
+    offloader.offload()
+    waits, drains = [], []
+    for step in range(repeats + 1):  # the first step creates Adam's moments
+        for master in masters:
+            master.grad = torch.randn_like(master)
+        if prefetch == "finalize":
+            offloader.prefetch()
+        with offloader.params_on_device():
+            offloader.run_step()
+        wait = timed_read(small)
+        start = time.perf_counter()
+        pending = offloader.pending_out_bytes
+        offloader.drain_out()
+        if step:
+            waits.append(wait)
+            drains.append(pending / max(time.perf_counter() - start, 1e-9) / GB)
+    state = offloader.read_stats().host_bytes
+    offloader.restore()
+    return {
+        "state_GB": state / GB,
+        "read_wait_ms": statistics.median(waits),
+        "read_wait_max_ms": max(waits),
+        "drain_after_step_GBps": statistics.median(drains),
+    }
 
 
 def main() -> None:
-    slab = HostSlab(NBYTES, torch.uint8, pin=True)  # keep the object: the slab unpins when dropped
-    host, device = slab.tensor, torch.empty(NBYTES, dtype=torch.uint8, device="cuda")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--state-gb", type=float, default=8.4, help="offloaded state, GB (default 8.4)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
     small = torch.ones(4, device="cuda")
-    side = torch.cuda.Stream()
-    for pieces in (1, 38, 38, 150):
-        torch.cuda.synchronize()
-        side.wait_stream(torch.cuda.current_stream())
-        size = NBYTES // pieces
-        start = time.perf_counter()
-        with torch.cuda.stream(side):
-            for i in range(pieces):
-                host[i * size : (i + 1) * size].copy_(device[i * size : (i + 1) * size], non_blocking=True)
-        queued = time.perf_counter()
-        small.sum().item()
-        read = time.perf_counter()
-        torch.cuda.synchronize()
-        done = time.perf_counter()
-        print(
-            f"copy out in {pieces} pieces: queued in {1e3 * (queued - start):.1f} ms, a 4-float .item() took "
-            f"{1e3 * (read - queued):.1f} ms, all done after {1e3 * (done - start):.1f} ms"
-        )
+    results = {
+        "device": torch.cuda.get_device_name(),
+        "commit": os.environ.get("MEGATRON_OFFLOAD_COMMIT", "unknown"),
+        "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "(default)"),
+        "offloader, step": offloader_run(args.state_gb, "step", small, args.repeats),
+        "offloader, finalize": offloader_run(args.state_gb, "finalize", small, args.repeats),
+    }
+    results["all at once"] = all_at_once(int(results["offloader, step"]["state_GB"] * GB), small, args.repeats)
+    for name, figures in results.items():
+        print(f"{name}: {figures}")
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump(results, file, indent=1)
 
 
 if __name__ == "__main__":

@@ -2,10 +2,13 @@
 our offload under each prefetch policy, with a naive synchronous offload (everything copied back before
 the step and out after it, nothing overlapped: the floor a smarter scheme must beat) and with
 megatron-core's HybridDeviceOptimizer (Adam on the CPU); plus plain pinned copies of the same size, so
-the offloader's copies can be read as a fraction of what the link gives. Memory and time are taken
-after two warm-up iterations; the acceptance figures of each shape are computed at the end.
+the offloader's copies can be read as a fraction of what the link gives. The loss is read after every
+step, as Megatron-LM's train_step reads a GPU value there. Time is taken after two warm-up iterations.
 
-    PYTHONPATH=/tmp/site:. python benchmarks/offload_bandwidth.py --json results.json
+``--cap``: then again under a GPU memory cap of the no-offload peak less 90% of the state (as on a GPU
+too small for the model): no offload must fail, every policy must run under it.
+
+    PYTHONPATH=/tmp/site:. python benchmarks/offload_bandwidth.py --json results.json [--cap]
 """
 
 from __future__ import annotations
@@ -21,11 +24,16 @@ from copy import copy
 from importlib.metadata import version
 from typing import Any
 
-import torch
+from megatron_offload.gpu_memory import use_expandable_segments_by_default
 
-from megatron_offload import attach_offloader
-from megatron_offload.host_memory import HostSlab
-from tests.gpu.harness import GPTShape, GPTTraining, build_gpt_training, init_distributed
+ALLOCATOR_NOTE = use_expandable_segments_by_default()  # before CUDA starts, as our entry points do
+
+import torch  # noqa: E402
+
+from megatron_offload import attach_offloader  # noqa: E402
+from megatron_offload.host_memory import HostSlab  # noqa: E402
+from megatron_offload.megatron_adapter import distributed_optimizers  # noqa: E402
+from tests.gpu.harness import GPTShape, GPTTraining, build_gpt_training, init_distributed  # noqa: E402
 
 GB, GIB = 1e9, 2**30
 
@@ -41,7 +49,19 @@ SHAPES = {
         seq_length=2048,
         micro_batch_size=16,
     ),  # fmt: skip
+    # issue 9's GPT (0.94B parameters, 10.5 GiB of state) with its batch: 4 micro-batches of 2 x 2048
+    "pretraining-0.9b": GPTShape(
+        num_layers=20,
+        hidden_size=1792,
+        ffn_hidden_size=7168,
+        num_attention_heads=14,
+        vocab_size=32000,
+        seq_length=2048,
+        micro_batch_size=2,
+        num_micro_batches=4,
+    ),
 }
+CAPPED_VARIANTS = ("no offload", "auto", "finalize", "step (streamed)")
 WARMUP = 2  # iterations left out of every figure (the first builds the plan and pins the slab)
 HYBRID = {  # megatron-core's --optimizer-cpu-offload, whole state on the CPU
     "optimizer_cpu_offload": True,
@@ -102,38 +122,52 @@ VARIANTS: dict[str, tuple[dict[str, Any], Callable[[GPTTraining], Any] | None]] 
 }
 
 
-def run(shape: GPTShape, steps: int, overrides: dict[str, Any], attach: Callable | None) -> dict[str, Any]:
-    """Train ``steps`` iterations; memory figures count only what this run allocated."""
+def run(
+    shape: GPTShape, steps: int, overrides: dict[str, Any], attach: Callable | None, cap: int | None = None
+) -> dict[str, Any]:
+    """Train ``steps`` iterations, under ``cap`` bytes of GPU memory if given. Allocated figures count
+    only what this run allocated; reserved figures are the process's (what the GPU had to hold)."""
     gc.collect()
     torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction((cap or total) / total)
+    try:
+        return _train(shape, steps, overrides, attach)
+    except torch.OutOfMemoryError as error:
+        return {"error": f"out of memory: {str(error).splitlines()[0][:160]}"}
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def _train(shape: GPTShape, steps: int, overrides: dict[str, Any], attach: Callable | None) -> dict[str, Any]:
     before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
     training = build_gpt_training(shape, optimizer_overrides=overrides)
+    state_bytes = 12 * sum(
+        p.numel() for opt in distributed_optimizers(training.optimizer) for g in opt.optimizer.param_groups
+        for p in g["params"]
+    )  # fmt: skip
     handle = attach(training) if attach else None
     at_warmup = None
-    first_iteration_peak = 0
-    torch.cuda.reset_peak_memory_stats()
-    marks = []
+    whole_run_peak = (0, 0)
+    step_seconds = []
     for iteration in range(steps):
         if iteration == WARMUP:
-            torch.cuda.synchronize()
-            first_iteration_peak = torch.cuda.max_memory_allocated() - before
-            torch.cuda.reset_peak_memory_stats()
             at_warmup = copy(handle.read_stats()) if handle is not None else None
-        # Iterations are timed on the compute stream, with no host sync between them, and the loss is
-        # not read, as in Megatron-LM between log intervals: copies out run on into the next iteration.
-        marks.append(torch.cuda.Event(enable_timing=True))
-        marks[-1].record()
-        training.train_step(iteration, read_loss=False)
-    marks.append(torch.cuda.Event(enable_timing=True))
-    marks[-1].record()
-    torch.cuda.synchronize()
-    step_seconds = [start.elapsed_time(end) / 1e3 for start, end in zip(marks, marks[1:], strict=False)]
+        # The loss is read (``.item()``) right after the step, as Megatron-LM's train_step reads a GPU
+        # value there: whatever that read waits for counts as step time.
+        start = time.perf_counter()
+        training.train_step(iteration, read_loss=True)
+        step_seconds.append(time.perf_counter() - start)
+    whole_run_peak = (torch.cuda.max_memory_allocated() - before, torch.cuda.max_memory_reserved())
     result: dict[str, Any] = {
         "median_step_s": statistics.median(step_seconds[WARMUP:]),
-        "peak_allocated_GiB": (torch.cuda.max_memory_allocated() - before) / GIB,
-        "warmup_peak_allocated_GiB": first_iteration_peak / GIB,
-        "peak_reserved_GiB": torch.cuda.max_memory_reserved() / GIB,
+        "step_s": step_seconds,
+        "peak_allocated_GiB": whole_run_peak[0] / GIB,
+        "peak_allocated_abs_GiB": torch.cuda.max_memory_allocated() / GIB,
+        "peak_reserved_GiB": whole_run_peak[1] / GIB,
         "allocated_between_steps_GiB": (torch.cuda.memory_allocated() - before) / GIB,
+        "state_GiB": state_bytes / GIB,
     }
     if handle is not None:
         stats, measured = handle.read_stats(), steps - WARMUP
@@ -149,24 +183,41 @@ def run(shape: GPTShape, steps: int, overrides: dict[str, Any], attach: Callable
     return result
 
 
-def bench_shape(shape: GPTShape, steps: int, variants: list[str]) -> dict[str, Any]:
-    rows: dict[str, Any] = {}
-    for name in ("no offload", "auto", "naive synchronous", "HybridDeviceOptimizer", *variants):
-        if name in rows:
-            continue
-        overrides, attach = VARIANTS[name]
-        try:
-            rows[name] = run(shape, steps, overrides, attach)
-        except Exception as error:  # a reference that cannot run here is reported, not fatal
-            rows[name] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
-        print(name, json.dumps(rows[name], default=str), flush=True)
-    base = rows["no offload"]
+def run_variant(shape: GPTShape, steps: int, name: str, cap: int | None = None) -> dict[str, Any]:
+    overrides, attach = VARIANTS[name]
+    try:
+        row = run(shape, steps, overrides, attach, cap)
+    except Exception as error:  # a reference that cannot run here is reported, not fatal
+        row = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+    print(name if cap is None else f"{name}, capped", json.dumps(row, default=str), flush=True)
+    return row
+
+
+def with_ratios(rows: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     for row in rows.values():
         if "error" not in row:
             row["step_time_ratio"] = row["median_step_s"] / base["median_step_s"]
             row["peak_saving_GiB"] = base["peak_allocated_GiB"] - row["peak_allocated_GiB"]
+            row["peak_reserved_saving_GiB"] = base["peak_reserved_GiB"] - row["peak_reserved_GiB"]
             row["between_steps_saving_GiB"] = base["allocated_between_steps_GiB"] - row["allocated_between_steps_GiB"]
+    return rows
+
+
+def bench_shape(shape: GPTShape, steps: int, variants: list[str], cap: bool) -> dict[str, Any]:
+    rows: dict[str, Any] = {}
+    for name in ("no offload", "auto", "naive synchronous", "HybridDeviceOptimizer", *variants):
+        if name not in rows:
+            rows[name] = run_variant(shape, steps, name)
+    base = with_ratios(rows, rows["no offload"])["no offload"]
     ours = rows["auto"]
+    capped = {}
+    if cap:
+        # As on a GPU too small for the model: the no-offload peak less 90% of the state.
+        limit = int((base["peak_allocated_abs_GiB"] - 0.9 * base["state_GiB"]) * GIB)
+        capped = {"cap_GiB": limit / GIB, "variants": {}}
+        for name in CAPPED_VARIANTS:
+            capped["variants"][name] = run_variant(shape, steps, name, cap=limit)
+        with_ratios(capped["variants"], base)  # ratios to the uncapped no-offload run
     pinned = pinned_bandwidth(int(ours["offloaded_GB"] * GB))
     # fwd+bwd of one micro-batch is about 3 forwards; the step's own time is small beside them
     forward_s = base["median_step_s"] / (3 * shape.num_micro_batches)
@@ -176,6 +227,7 @@ def bench_shape(shape: GPTShape, steps: int, variants: list[str]) -> dict[str, A
         "estimated_forward_per_micro_batch_s": forward_s,
         "one_way_copy_s": ours["offloaded_GB"] * GB / (pinned["d2h_GBps"] * GB),
         "variants": rows,
+        "capped": capped,
         "acceptance": acceptance(rows, pinned),
     }
 
@@ -210,18 +262,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--cap", action="store_true", help="run again under a cap: no-offload peak - 90%% of the state")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    if ALLOCATOR_NOTE:
+        print(ALLOCATOR_NOTE)
     init_distributed()
     results = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "megatron_core": version("megatron-core"),
         "commit": os.environ.get("MEGATRON_OFFLOAD_COMMIT", "unknown"),  # the device's tree has no .git
+        "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         "shapes": {},
     }
     for name in args.shapes:
-        results["shapes"][name] = bench_shape(SHAPES[name], args.steps, args.variants)
+        results["shapes"][name] = bench_shape(SHAPES[name], args.steps, args.variants, args.cap)
     print(json.dumps(results, indent=1, default=str))
     if args.json:
         with open(args.json, "w") as file:

@@ -27,24 +27,32 @@ def main(folder: Path) -> None:
                 f"one-way copy {shape['one_way_copy_s'] * 1e3:.0f} ms; pinned d2h/h2d/both "
                 f"{pinned['d2h_GBps']:.1f}/{pinned['h2d_GBps']:.1f}/{pinned['both_GBps']:.1f} GB/s"
             )
-            print(
-                f"{'variant':26} {'step ms':>8} {'x base':>7} {'peak GiB':>9} {'peak -GiB':>9} {'exposed ms':>10} "
-                f"{'out/in GB/s':>12}"
-            )
-            for name, row in shape["variants"].items():
-                if "error" in row:
-                    print(f"{name:26} not run: {row['error'][:90]}")
-                    continue
-                copies, exposed = "", ""
-                if "copy_out_GBps" in row:
-                    copies = f"{row['copy_out_GBps']:.1f}/{row['copy_back_GBps']:.1f}"
-                    exposed = f"{row['exposed_s'] * 1e3:.1f}"
-                print(
-                    f"{name:26} {row['median_step_s'] * 1e3:8.1f} {row['step_time_ratio']:7.3f} "
-                    f"{row['peak_allocated_GiB']:9.2f} {row['peak_saving_GiB']:9.2f} {exposed:>10} {copies:>12}"
-                )
+            print_variants(shape["variants"])
+            if shape.get("capped"):
+                print(f"under a cap of {shape['capped']['cap_GiB']:.2f} GiB (x base: to the uncapped no-offload run)")
+                print_variants(shape["capped"]["variants"])
             if "acceptance" in shape:
                 print("auto: " + ", ".join(f"{key} {value:.3f}" for key, value in shape["acceptance"].items()))
+
+
+def print_variants(variants: dict) -> None:
+    print(
+        f"{'variant':26} {'step ms':>8} {'x base':>7} {'peak GiB':>9} {'peak -GiB':>9} {'reserved':>9} "
+        f"{'exposed ms':>10} {'out/in GB/s':>12}"
+    )
+    for name, row in variants.items():
+        if "error" in row:
+            print(f"{name:26} did not run: {row['error'][:90]}")
+            continue
+        copies, exposed = "", ""
+        if "copy_out_GBps" in row:
+            copies = f"{row['copy_out_GBps']:.1f}/{row['copy_back_GBps']:.1f}"
+            exposed = f"{row['exposed_s'] * 1e3:.1f}"
+        print(
+            f"{name:26} {row['median_step_s'] * 1e3:8.1f} {row['step_time_ratio']:7.3f} "
+            f"{row['peak_allocated_GiB']:9.2f} {row['peak_saving_GiB']:9.2f} {row.get('peak_reserved_GiB', 0):9.2f} "
+            f"{exposed:>10} {copies:>12}"
+        )
 
 
 def integration_table(folder: Path) -> None:
@@ -54,6 +62,20 @@ def integration_table(folder: Path) -> None:
         print("\nintegration runs\n" + table.read_text(), end="")
 
 
+def probe_and_side_by_side(folder: Path) -> None:
+    """The copy-order probe's figures and the Megatron-LM side-by-side table, if they ran."""
+    probe = folder / "probe.json"
+    if probe.exists():
+        print("\ncopy-order probe (a 4-byte .item() right after a step)")
+        for name, figures in json.loads(probe.read_text()).items():
+            if isinstance(figures, dict):
+                print(f"  {name:22} " + ", ".join(f"{key} {value:.2f}" for key, value in figures.items()))
+    side = folder / "side" / "table.txt"
+    if side.exists():
+        print("\nMegatron-LM's loop, side by side\n" + side.read_text(), end="")
+
+
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    probe_and_side_by_side(Path(sys.argv[1]))
     integration_table(Path(sys.argv[1]))

@@ -63,6 +63,15 @@ def add_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "GPU: lower it when the job fits with less saving and you want less copying.",
     )
     group.add_argument(
+        "--offload-gpu-memory-cap-gib",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="Let this process use at most this much GPU memory, as if the GPU were that small "
+        "(torch.cuda.set_per_process_memory_fraction, set before the model is built). Works with or "
+        "without --offload-optimizer-states: the way to ask 'would this fit on a smaller GPU?'.",
+    )
+    group.add_argument(
         "--offload-host-memory-check",
         action=argparse.BooleanOptionalAction,
         default=DEFAULTS.check_host_memory,
@@ -74,8 +83,14 @@ def add_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 def validate_offload_args(args: argparse.Namespace) -> None:
     """Raise ValueError if --offload-optimizer-states is combined with flags it cannot work with.
 
-    Reads Megatron-LM's argument names; a name absent from ``args`` counts as its default.
+    Reads Megatron-LM's argument names; a name absent from ``args`` counts as its default. Runs inside
+    Megatron's argument validation, so bad values fail before anything is built.
     """
+    cap = getattr(args, "offload_gpu_memory_cap_gib", None)
+    if cap is not None and not 0 < cap < float("inf"):
+        raise ValueError(
+            f"--offload-gpu-memory-cap-gib must be a positive number of GiB (the GPU memory to imitate), got {cap}"
+        )
     if not getattr(args, "offload_optimizer_states", False):
         return
     if getattr(args, "optimizer_cpu_offload", False):
@@ -114,6 +129,7 @@ def validate_offload_args(args: argparse.Namespace) -> None:
             raise ValueError(
                 f"--offload-optimizer-states cannot be combined with {name}: {why}. Remove one of the two."
             )
+    config_from_args(args)  # every offload value in range, with the messages the Python API gives
 
 
 def config_from_args(args: argparse.Namespace) -> OffloadConfig:

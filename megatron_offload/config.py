@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
 
@@ -48,9 +49,20 @@ class OffloadConfig:
                 raise ValueError(
                     f"--offload-prefetch={self.prefetch!r} is not a prefetch policy; choose one of: {choices}"
                 ) from None
-        if not self.chunk_mb > 0:
-            raise ValueError(f"--offload-chunk-mb must be a positive number of MiB, got {self.chunk_mb}")
-        if not 0.0 <= self.fraction <= 1.0:
+        # `not x > 0` rather than `x <= 0`: nan fails every comparison and must be refused too.
+        if not _is_number(self.chunk_mb) or not 0 < self.chunk_mb < math.inf:
             raise ValueError(
-                f"--offload-fraction must be between 0 (offload nothing) and 1 (offload all), got {self.fraction}"
+                f"--offload-chunk-mb must be a positive number of MiB (the default is 64), got {self.chunk_mb!r}"
             )
+        if not _is_number(self.fraction) or not 0.0 <= self.fraction <= 1.0:
+            raise ValueError(
+                "--offload-fraction must be a number from 0 (offload nothing) to 1 (offload all, the default), "
+                f"got {self.fraction!r}"
+            )
+        for name in ("offload_master_weights", "pin_memory", "check_host_memory"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"OffloadConfig.{name} must be true or false, got {getattr(self, name)!r}")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_offload.copy_lane import Completion, CopyJob, CopyLane
 from megatron_offload.host_memory import HostSlab, check_host_room
+from megatron_offload.timings import Timings
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +33,8 @@ DEFAULT_CHUNK_BYTES = 64 * 1024**2
 # each (few launches), while the optimizer's temporaries (a foreach Adam makes some the size of a
 # moment) stay bounded instead of growing with all that came back early.
 READY_GROUP_BYTES = 512 * 1024**2
+# Buffers the streamed step cycles through: one chunk copying in, one being updated, one copying out.
+STAGING_CHUNKS = 3
 
 
 @dataclass
@@ -60,6 +64,10 @@ class OffloadStats:
     resident_bytes: int = 0
     """State kept on the GPU for good because of ``fraction`` < 1."""
     pinned: bool = True
+    peak_allocated_bytes: int = 0
+    """The device's peak allocated memory since its last reset (``torch.cuda.max_memory_allocated``)."""
+    peak_reserved_bytes: int = 0
+    """The device's peak reserved memory: what the GPU really had to hold (``max_memory_reserved``)."""
 
 
 @dataclass
@@ -80,17 +88,9 @@ class _Chunk:
     nbytes: int  # size of its device block
     offloaded: bool = False
     gpu: torch.Tensor | None = None  # uint8 device block the entries view while resident (None: their own)
-    arriving: torch.cuda.Event | None = None  # copy-in not yet waited for by the compute stream
+    arriving: CopyJob | None = None  # copy-in not yet waited for by the compute stream
     touched: bool = False  # the compute stream may have changed it since it came back
-    left: torch.cuda.Event | None = None  # latest copy-out done: host copy complete, may be read
-
-
-@dataclass
-class _Timing:
-    kind: str  # "offload", "prefetch" or "exposed"
-    step: int
-    start: torch.cuda.Event
-    end: torch.cuda.Event
+    leaving: CopyJob | None = None  # latest copy-out; once done the host copy is complete and may be read
 
 
 def owns_its_storage(tensor: torch.Tensor) -> bool:
@@ -220,12 +220,13 @@ class OptimizerStateOffloader:
         self._kept_params: set[int] = set()  # params whose state stays on the GPU (fraction < 1)
         self._warned_shared: set[int] = set()
         self._device: torch.device | None = None
-        self._copy_out_stream: torch.cuda.Stream | None = None
-        self._copy_in_stream: torch.cuda.Stream | None = None
+        self._out_lane: CopyLane | None = None
+        self._in_lane: CopyLane | None = None
+        self._out_stream: torch.cuda.Stream | None = None  # None without CUDA: the lanes copy synchronously
+        self._in_stream: torch.cuda.Stream | None = None
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
         self._step_index = 0
-        self._timings: list[_Timing] = []
-        self._per_step: dict[str, dict[int, float]] = {"offload": {}, "prefetch": {}, "exposed": {}}
+        self._timings = Timings()
         if check_host_memory:
             check_host_room(int(self.estimated_host_bytes() * fraction))
 
@@ -383,8 +384,7 @@ class OptimizerStateOffloader:
         """Keep the host slab if it is large enough, else pin a new one of ``host_bytes``, which counts
         the moments Adam's first step will add, so that the slab is pinned only once."""
         if self._slab is not None and self._slab.nbytes >= host_bytes:
-            if self._on_cuda:
-                torch.cuda.synchronize(self._device)  # no copy may still use the old layout
+            self._finish_copies()  # no copy may still use the old layout
             return
         self._release_slab()
         if self.check_host_memory:
@@ -392,10 +392,15 @@ class OptimizerStateOffloader:
             check_host_room(host_bytes, ranks=1)
         self._slab = HostSlab(host_bytes, torch.uint8, self.pin_memory)
 
+    def _finish_copies(self) -> None:
+        """Block until every copy handed to a lane has completed."""
+        for lane in (self._out_lane, self._in_lane):
+            if lane is not None:
+                lane.drain()
+
     def _release_slab(self) -> None:
-        if self._slab is not None and self._on_cuda:
-            # A copy may still be reading or writing the old slab; it must be idle before we free it.
-            torch.cuda.synchronize(self._device)
+        # A copy may still be reading or writing the old slab; it must be idle before we free it.
+        self._finish_copies()
         if self._slab is not None:
             self._slab.release()
         self._chunks, self._slab, self._plan_key, self._planned = [], None, (), set()
@@ -404,93 +409,138 @@ class OptimizerStateOffloader:
     def _on_cuda(self) -> bool:
         return self._device is not None and self._device.type == "cuda"
 
-    def _streams(self) -> tuple[torch.cuda.Stream | None, torch.cuda.Stream | None]:
-        if not self._on_cuda:
-            return None, None
-        if self._copy_out_stream is None:
-            self._copy_out_stream = torch.cuda.Stream(self._device)
-            self._copy_in_stream = torch.cuda.Stream(self._device)
-        return self._copy_out_stream, self._copy_in_stream
+    def _lanes(self) -> tuple[CopyLane, CopyLane]:
+        """The copy-out and copy-in lanes, each with a side stream of its own (made on first use)."""
+        if self._out_lane is None:
+            device, on_cuda = self._device, self._on_cuda
+
+            def setup() -> None:
+                if on_cuda:
+                    torch.cuda.set_device(device)  # the lane's thread issues copies for this device
+
+            self._out_lane = CopyLane("megatron-offload-out", setup)
+            self._in_lane = CopyLane("megatron-offload-in", setup)
+            if on_cuda:
+                self._out_stream, self._in_stream = torch.cuda.Stream(device), torch.cuda.Stream(device)
+        return self._out_lane, self._in_lane
 
     def _compute_stream(self) -> torch.cuda.Stream | None:
         return torch.cuda.current_stream(self._device) if self._on_cuda else None
 
+    def _compute_reached(self) -> torch.cuda.Event | None:
+        """An event at the compute stream's current end: what a lane waits for (on the host) before
+        its copy may read or overwrite memory the compute stream used."""
+        if not self._on_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(self._compute_stream())
+        return event
+
+    def _issuer(self, kind: str, stream: torch.cuda.Stream | None, copies: list[tuple[torch.Tensor, torch.Tensor]]):
+        """What a lane's thread calls to queue ``copies`` (destination, source) on ``stream``."""
+        timing = self._timings.add(kind, self._step_index) if stream is not None else None
+
+        def issue() -> torch.cuda.Event | None:
+            if stream is None:  # no CUDA (tests): the copies are done when this returns
+                for destination, source in copies:
+                    destination.copy_(source)
+                return None
+            with torch.cuda.stream(stream):
+                timing.record_start(stream)
+                for destination, source in copies:
+                    destination.copy_(source, non_blocking=True)
+                return timing.record_end(stream)
+
+        return issue
+
     # ------------------------------------------------------------------------ one chunk at a time
-    def _copy_out(self, chunk: _Chunk) -> None:
-        """Copy a resident chunk to host memory (if the compute stream may have changed it) and free it."""
-        out_stream, _ = self._streams()
-        if chunk.arriving is not None and out_stream is not None:
-            # Never waited for: the copy-in must land before its memory can be reused or read.
-            out_stream.wait_event(chunk.arriving)
-        if chunk.touched:
-            if out_stream is not None:
-                out_stream.wait_stream(self._compute_stream())  # the update must be written first
-            slab = self._slab.tensor
-            in_block, own = [], []  # own: tensors the optimizer made itself, not in a block of ours
-            for entry in chunk.entries:
-                (in_block if entry.in_block and chunk.gpu is not None else own).append(entry)
-            with self._timed("offload", out_stream) as done:
-                for host, offset, size in _runs(in_block):
-                    slab[host : host + size].copy_(chunk.gpu[offset : offset + size], non_blocking=True)
-                for entry in own:
-                    entry.host.copy_(entry.tensor, non_blocking=True)
-            chunk.left = done
-            self.stats.bytes_offloaded += chunk.nbytes
+    def _copy_out(self, chunk: _Chunk, urgent: bool = False) -> None:
+        """Hand a resident chunk to the copy-out lane, which copies it to host memory (if the compute
+        stream may have changed it) and then frees its GPU memory; its tensors point at the host copy
+        from now on."""
+        out_lane, _ = self._lanes()
+        copies, keep = [], []
+        if chunk.gpu is not None:
+            keep.append(chunk.gpu)
+        slab = self._slab.tensor
+        for host, offset, size in _runs([e for e in chunk.entries if e.in_block and chunk.gpu is not None]):
+            copies.append((slab[host : host + size], chunk.gpu[offset : offset + size]))
         for entry in chunk.entries:
-            if out_stream is not None:
-                # The allocator must not hand this memory to new work until the copies have used it.
-                entry.tensor.record_stream(out_stream)
-            entry.tensor.data = entry.host  # drops the last reference to the device memory
+            if not (entry.in_block and chunk.gpu is not None):  # made by the optimizer, not in a block of ours
+                keep.append(entry.tensor.data)
+                copies.append((entry.host, entry.tensor.data))
+        if chunk.touched:
+            # The lane waits (on the host) for the compute stream to finish writing the chunk.
+            ready = self._compute_reached()
+            self.stats.bytes_offloaded += chunk.nbytes
+        else:
+            # Unchanged since it came back (a skipped step): the host copy is exact, nothing to copy;
+            # the memory is freed once the copy-in that filled it has landed.
+            copies, ready = [], chunk.arriving
+        job = CopyJob(self._issuer("offload", self._out_stream, copies), chunk.nbytes, ready, keep, urgent)
+        chunk.leaving = out_lane.submit(job)
+        for entry in chunk.entries:
+            entry.tensor.data = entry.host  # our reference to the device memory is now only the job's
             entry.in_block = True  # the next copy-in puts it in the chunk's block
         chunk.gpu, chunk.arriving, chunk.touched, chunk.offloaded = None, None, False, True
 
-    def _copy_in(self, chunk: _Chunk, block: torch.Tensor | None = None, after: torch.cuda.Event | None = None) -> None:
-        """Start bringing an offloaded chunk back into ``block`` (default: fresh device memory)."""
+    def _copy_in(
+        self,
+        chunk: _Chunk,
+        block: torch.Tensor | None = None,
+        ready: Completion | None = None,
+        urgent: bool = False,
+    ) -> None:
+        """Hand an offloaded chunk to the copy-in lane, to come back into ``block`` (default: fresh
+        device memory, allocated now on the compute stream)."""
+        _, in_lane = self._lanes()
+        if chunk.leaving is not None:
+            chunk.leaving.synchronize()  # on the host: its host copy must be complete before it is read
+            chunk.leaving = None
         if block is None:
             try:
-                # Allocated on the compute stream, so the memory is ordered after its earlier users there.
                 block = torch.empty(chunk.nbytes, dtype=torch.uint8, device=self._device)
             except torch.OutOfMemoryError as error:
                 raise torch.OutOfMemoryError(
                     f"megatron-offload: not enough GPU memory to bring back {chunk.nbytes / 1024**2:.0f} MiB "
                     "of optimizer state; the state is still whole in host memory. Use --offload-prefetch "
-                    "step (the step streams the state through two chunks), lower --offload-chunk-mb, or "
+                    "step (the step streams the state through three chunks), lower --offload-chunk-mb, or "
                     f"reduce the micro-batch size. ({error})"
                 ) from error
-        _, in_stream = self._streams()
-        if in_stream is not None:
-            # The block may have just been freed by compute work, which must be done with it first.
-            in_stream.wait_stream(self._compute_stream())
-            for event in (chunk.left, after):  # the host copy must be complete; the block free
-                if event is not None:
-                    in_stream.wait_event(event)
+            # The allocator may have handed us memory compute work has just freed: the lane waits
+            # (on the host) for the compute stream to get past that work before overwriting it.
+            ready = self._compute_reached()
         slab = self._slab.tensor
-        with self._timed("prefetch", in_stream) as done:
-            for host, offset, size in _runs(chunk.entries):
-                block[offset : offset + size].copy_(slab[host : host + size], non_blocking=True)
-        if in_stream is not None:
-            block.record_stream(in_stream)
+        runs = _runs(chunk.entries)
+        copies = [(block[offset : offset + size], slab[host : host + size]) for host, offset, size in runs]
+        job = CopyJob(self._issuer("prefetch", self._in_stream, copies), 0, ready, urgent=urgent)
+        chunk.arriving = in_lane.submit(job)
         for entry in chunk.entries:
             entry.tensor.data = _view(block, entry.offset, entry.tensor)
-        chunk.gpu, chunk.arriving, chunk.offloaded = block, done, False
+        chunk.gpu, chunk.offloaded = block, False
         self.stats.bytes_prefetched += chunk.nbytes
 
     def _hand_to_compute(self, chunk: _Chunk) -> None:
         """Order the compute stream after the chunk's copy-in, timing how long it stands waiting."""
         if chunk.arriving is not None:
-            compute = self._compute_stream()
-            arrived, resumed = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            arrived.record(compute)
-            compute.wait_event(chunk.arriving)
-            resumed.record(compute)
-            self._timings.append(_Timing("exposed", self._step_index, arrived, resumed))
+            if not self._on_cuda:
+                chunk.arriving.synchronize()
+            else:
+                # The copy must be queued before the compute stream can wait for it; it is then ahead
+                # of the wait in every hardware queue, so the wait can always proceed.
+                landed = chunk.arriving.wait_issued()
+                compute = self._compute_stream()
+                timing = self._timings.add("exposed", self._step_index)
+                timing.record_start(compute)
+                compute.wait_event(landed)
+                timing.record_end(compute)
             chunk.arriving = None
         chunk.touched = True
 
     # -------------------------------------------------------------------------------- transfers
     @torch.no_grad()
     def offload(self) -> None:
-        """Copy every resident chunk to host memory on a side stream and release its device memory."""
+        """Hand every resident chunk to the copy-out lane: to host memory, then its GPU memory freed."""
         if self._slab is None or self._plan_key != self._current_key():
             self.wait()  # chunks still coming in must land before the plan can change
             self._refresh_plan()
@@ -506,14 +556,14 @@ class OptimizerStateOffloader:
         self.stats.offloads += 1
         self.stats.gpu_bytes_freed = self.offloaded_bytes
         self._step_index += 1
-        self._harvest_timings()
+        self._timings.harvest(self.stats)
 
     def _current_key(self) -> tuple:
         return tuple((id(t), t.dtype, t.numel()) for t, _ in self._offloadable_tensors())
 
     @torch.no_grad()
     def prefetch(self, max_bytes: int | None = None) -> int:
-        """Start copying offloaded chunks back, in step order, up to ``max_bytes`` (default: all).
+        """Start bringing offloaded chunks back, in step order, up to ``max_bytes`` (default: all).
 
         Returns at once with the bytes started; the compute stream is ordered after the copies by
         ``wait()`` or ``run_step()``.
@@ -533,21 +583,33 @@ class OptimizerStateOffloader:
 
     def wait(self) -> None:
         """Make the whole state usable by the compute stream: bring back what is still offloaded, then
-        order the compute stream after every copy. No host synchronization."""
+        order the compute stream after every copy."""
         self.prefetch()
         for chunk in self._chunks:
             self._hand_to_compute(chunk)
 
+    @property
+    def pending_out_bytes(self) -> int:
+        """GPU bytes of chunks handed to the copy-out lane and not freed yet."""
+        return self._out_lane.pending_bytes if self._out_lane is not None else 0
+
+    def drain_out(self, nbytes: int | None = None) -> int:
+        """Block until copies out have freed at least ``nbytes`` of GPU memory (default: all of it),
+        oldest first. Returns the bytes freed."""
+        return self._out_lane.drain(nbytes) if self._out_lane is not None else 0
+
     @torch.no_grad()
     def run_step(self, after_chunk: Callable[[list[torch.Tensor]], None] | None = None) -> None:
-        """Run the optimizer step chunk by chunk and leave the state offloaded (copies out in flight).
+        """Run the optimizer step chunk by chunk and leave the state offloaded (copies out under way).
 
-        Chunks already back are updated first; the others stream through two staging buffers
-        (copy in i+1, update i, copy out i-1). ``after_chunk(params)`` runs right after each chunk's
-        update, while its state is on the GPU (Megatron copies the masters into the model there).
-        State the optimizer creates on the way (Adam's moments, at its first step) joins its chunk and
-        leaves with it. Falls back to one whole step when the plan no longer matches the state (after a
-        load replaced tensors).
+        Chunks already back are updated first, their copies out starting at once; the others stream
+        through ``STAGING_CHUNKS`` buffers (copy in i+2, update i, copy out i-1 at once). The copy into
+        a buffer is handed to its lane only after the copy out of the chunk that used it before has
+        completed (a host wait), so no stream ever waits for another on the device.
+        ``after_chunk(params)`` runs right after each chunk's update, while its state is on the GPU
+        (Megatron copies the masters into the model there). State the optimizer creates on the way
+        (Adam's moments, at its first step) joins its chunk and leaves with it. Falls back to one
+        whole step when the plan no longer matches the state (after a load replaced tensors).
         NOTE: stepping a subset of params per call gives bitwise the same result as one call only for
         optimizers that update each param from its own state and gradient (Adam, AdamW, SGD), not for
         those that mix params (LAMB's global norm).
@@ -568,35 +630,43 @@ class OptimizerStateOffloader:
         resident_params = [p for p in all_params if id(p) in self._kept_params]  # kept by fraction < 1
         staging = [
             torch.empty(max((c.nbytes for c in streamed), default=0), dtype=torch.uint8, device=self._device)
-            for _ in range(min(2, len(streamed)))
+            for _ in range(min(STAGING_CHUNKS, len(streamed)))
         ]
+        fresh = self._compute_reached()  # the staging memory may have been freed by compute work just now
         self.stats.bytes_streamed += sum(chunk.nbytes for chunk in streamed)
         try:
-            for index, chunk in enumerate(streamed[:2]):
-                self._copy_in(chunk, staging[index][: chunk.nbytes])
-            for chunk in ready:
-                self._hand_to_compute(chunk)
+            for index, chunk in enumerate(streamed[: STAGING_CHUNKS - 1]):
+                self._copy_in(chunk, staging[index][: chunk.nbytes], ready=fresh, urgent=True)
             if resident_params:
                 stepper(resident_params)
                 if after_chunk is not None:
                     after_chunk(resident_params)
             for group in self._ready_groups(ready):
+                for chunk in group:
+                    self._hand_to_compute(chunk)
                 params = [p for chunk in group for p in chunk.params]
                 stepper(params)
                 if after_chunk is not None:
                     after_chunk(params)
                 for chunk in group:
                     self._adopt_new_state(chunk)
+                    self._copy_out(chunk)
             for index, chunk in enumerate(streamed):
                 self._hand_to_compute(chunk)
                 stepper(chunk.params)
                 if after_chunk is not None:
                     after_chunk(chunk.params)
                 self._adopt_new_state(chunk)
-                self._copy_out(chunk)
-                if index + 2 < len(streamed):
-                    upcoming = streamed[index + 2]
-                    self._copy_in(upcoming, staging[index % 2][: upcoming.nbytes], after=chunk.left)
+                self._copy_out(chunk, urgent=True)  # the pipeline waits on it: ahead of the ready chunks
+                upcoming = index + STAGING_CHUNKS - 1
+                if upcoming < len(streamed):
+                    buffer = staging[upcoming % STAGING_CHUNKS]
+                    before = upcoming - STAGING_CHUNKS  # the chunk that used this buffer last
+                    if before >= 0:
+                        # On the host: once its copy out has read the buffer, the buffer may be overwritten.
+                        streamed[before].leaving.synchronize()
+                    ready_at = fresh if before < 0 else None
+                    self._copy_in(streamed[upcoming], buffer[: streamed[upcoming].nbytes], ready=ready_at, urgent=True)
         finally:
             # Updated chunks leave with their new values; chunks never handed to compute are dropped.
             for chunk in self._chunks:
@@ -616,10 +686,10 @@ class OptimizerStateOffloader:
             yield group
 
     def step_footprint(self) -> int:
-        """Most device memory ``run_step`` adds beyond what is already resident: two staging chunks, and
+        """Most device memory ``run_step`` adds beyond what is already resident: the staging chunks, and
         optimizer temporaries for one group of ready chunks (counted at its full size, to be safe)."""
         largest = max((chunk.nbytes for chunk in self._chunks), default=self.chunk_bytes)
-        return 2 * max(largest, self.chunk_bytes) + max(READY_GROUP_BYTES, self.chunk_bytes)
+        return STAGING_CHUNKS * max(largest, self.chunk_bytes) + max(READY_GROUP_BYTES, self.chunk_bytes)
 
     @contextlib.contextmanager
     def params_on_device(self) -> Iterator[None]:
@@ -647,8 +717,8 @@ class OptimizerStateOffloader:
     def host_copies_ready(self) -> None:
         """Block the host until every copy out has landed, so CPU code can read offloaded state."""
         for chunk in self._chunks:
-            if chunk.offloaded and chunk.left is not None:
-                chunk.left.synchronize()
+            if chunk.offloaded and chunk.leaving is not None:
+                chunk.leaving.synchronize()
 
     def restore(self) -> None:
         """Bring everything back to the device for good, each tensor in storage of its own again, and
@@ -660,42 +730,15 @@ class OptimizerStateOffloader:
                     entry.tensor.data = entry.tensor.data.clone()
                 chunk.gpu = None
         self._release_slab()
-
-    # ------------------------------------------------------------------------------- telemetry
-    @contextlib.contextmanager
-    def _timed(self, kind: str, stream: torch.cuda.Stream | None) -> Iterator[torch.cuda.Event | None]:
-        """Run copies on ``stream`` between two timing events; yields the end event (None on CPU)."""
-        if stream is None:
-            yield None
-            return
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(stream):
-            start.record(stream)
-            yield end
-            end.record(stream)
-        self._timings.append(_Timing(kind, self._step_index, start, end))
-
-    def _harvest_timings(self) -> None:
-        """Add up the copy and wait times whose events have completed; leave the rest for later."""
-        pending = []
-        for timing in self._timings:
-            if not timing.end.query():
-                pending.append(timing)
-                continue
-            seconds = timing.start.elapsed_time(timing.end) / 1000
-            setattr(self.stats, f"{timing.kind}_seconds", getattr(self.stats, f"{timing.kind}_seconds") + seconds)
-            per_step = self._per_step[timing.kind]
-            per_step[timing.step] = per_step.get(timing.step, 0.0) + seconds
-        self._timings = pending
-        unfinished = {timing.step for timing in pending}
-        for kind, per_step in self._per_step.items():
-            complete = [step for step in per_step if step not in unfinished]
-            if complete:
-                newest = max(complete)
-                setattr(self.stats, f"last_{kind}_seconds", per_step[newest])
-                self._per_step[kind] = {s: v for s, v in per_step.items() if s >= newest}
+        for lane in (self._out_lane, self._in_lane):
+            if lane is not None:
+                lane.close()
+        self._out_lane = self._in_lane = None
 
     def read_stats(self) -> OffloadStats:
         """The totals so far, including every copy that has completed by now (no sync)."""
-        self._harvest_timings()
+        self._timings.harvest(self.stats)
+        if self._on_cuda:
+            self.stats.peak_allocated_bytes = torch.cuda.max_memory_allocated(self._device)
+            self.stats.peak_reserved_bytes = torch.cuda.max_memory_reserved(self._device)
         return self.stats

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-__all__ = ["config_flags", "expand_config_argv"]
+__all__ = ["config_flags", "expand_config_argv", "needs_one_connection"]
 
 
 def config_flags(path: str | Path) -> list[str]:
@@ -52,3 +52,16 @@ def expand_config_argv(argv: list[str]) -> list[str]:
                 raise FileNotFoundError(f"--config {path}: no such file (see configs/ for the shipped ones)")
             return config_flags(path) + expand_config_argv(rest)
     return argv
+
+
+def needs_one_connection(argv: list[str]) -> bool:
+    """Whether a Megatron command line (``--config`` included) runs tensor or context parallelism, for
+    which megatron-core requires ``CUDA_DEVICE_MAX_CONNECTIONS=1``. The last value of a flag wins."""
+    sizes = {"--tensor-model-parallel-size": 1, "--context-parallel-size": 1}
+    flags = expand_config_argv(argv)
+    for index, flag in enumerate(flags):
+        name, _, inline = flag.partition("=")
+        if name in sizes:
+            value = inline or (flags[index + 1] if index + 1 < len(flags) else "1")
+            sizes[name] = int(value)
+    return any(size > 1 for size in sizes.values())

@@ -34,6 +34,7 @@ from packaging.version import Version
 
 from megatron_offload.config import OffloadConfig, PrefetchPolicy
 from megatron_offload.engine import OffloadStats, OptimizerStateOffloader
+from megatron_offload.gpu_memory import memory_limit_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ MIB = 1024**2
 # backward (see _PrefetchDuringBackward for the learned margin).
 PACING_MIN_MARGIN_BYTES = 64 * MIB
 PACING_SAMPLES = 64  # memory readings per backward
+# Least room kept free for what the forward allocates between two of its hooks while copies out drain.
+FORWARD_MIN_MARGIN_BYTES = 256 * MIB
 _saving: set[int] = set()  # id() of each offloader whose sharded_state_dict is building a save right now
 
 # DistributedOptimizer methods that read or write optimizer state outside step() (checkpointing,
@@ -268,6 +271,67 @@ class _PrefetchDuringBackward:
         self.hooks.clear()
 
 
+class _RoomForForward:
+    """Holds the forward back, on the host, while copies out still hold GPU memory it needs.
+
+    After the step the state leaves one chunk at a time and each chunk's memory is freed as its copy
+    lands, while the next forward already runs. Where the GPU has room the two simply overlap. Where it
+    has not (a full GPU, or a cap), forward pre-hooks wait for the oldest copies out until what is
+    allocated, plus a margin for what the forward allocates before the next hook, fits under the
+    limit: so the allocator never runs out while our memory is about to be freed. The margin is twice
+    the largest growth between two hooks seen so far; the first iteration, with nothing to drain yet
+    (attach waits for the masters' copy out), learns it.
+    """
+
+    def __init__(self, handle: OffloadHandle, model_chunks: Sequence[Any]) -> None:
+        self.handle = handle
+        modules = {
+            id(module): module
+            for chunk in model_chunks
+            for module in chunk.modules()
+            if next(module.parameters(recurse=False), None) is not None
+        }
+        self.hooks = [module.register_forward_pre_hook(self.before_forward) for module in modules.values()]
+        self.on_gpu = torch.cuda.is_available()
+        self.device = torch.cuda.current_device() if self.on_gpu else None
+        self.learning = True  # until the first step: read at every hook, to learn the growth
+        self.previous: int | None = None  # the last reading, without what copies out still hold
+        self.largest_growth = 0
+        self.limit: int | None = None
+        self.waited = 0  # times a forward waited (for tests and the log)
+
+    def before_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if not self.on_gpu:
+            return
+        pending = self.handle.pending_out_bytes()
+        if not pending and not self.learning:
+            return
+        natural = _allocated_bytes() - pending
+        if self.previous is not None:
+            self.largest_growth = max(self.largest_growth, natural - self.previous)
+        self.previous = natural
+        if not pending:
+            return
+        if self.limit is None:
+            self.limit = memory_limit_bytes(self.device)
+        margin = max(FORWARD_MIN_MARGIN_BYTES, 2 * self.largest_growth)
+        excess = natural + pending + margin - self.limit
+        if excess > 0 or self.learning:  # nothing learned yet: let everything land first
+            self.waited += 1
+            self.handle.drain_out(None if self.learning else excess)
+
+    def new_iteration(self) -> None:
+        """Called after every step: the limit may have moved (other processes, a new cap)."""
+        self.learning = False
+        self.previous = None
+        self.limit = memory_limit_bytes(self.device) if self.on_gpu else None
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks.clear()
+
+
 def _allocated_bytes() -> int:
     """``torch.cuda.memory_allocated()`` without flattening every allocator statistic into a new dict
     on each call, which the backward hooks would pay many times per iteration."""
@@ -316,6 +380,7 @@ class OffloadHandle:
         self.offloaders: list[OptimizerStateOffloader] = []
         self.streamed = True  # every DistributedOptimizer runs the streamed step (else: whole state back)
         self._pacer: _PrefetchDuringBackward | None = None
+        self._room: _RoomForForward | None = None
         self._wrapped: list[tuple[Any, str, Any]] = []  # (object, attribute, what was there before)
 
     def prefetch(self) -> None:
@@ -330,12 +395,25 @@ class OffloadHandle:
         for offloader in self.offloaders:
             offloader.wait()
 
+    def pending_out_bytes(self) -> int:
+        """GPU bytes still held by copies out under way."""
+        return sum(offloader.pending_out_bytes for offloader in self.offloaders)
+
+    def drain_out(self, nbytes: int | None = None) -> None:
+        """Block until copies out have freed ``nbytes`` of GPU memory (default: all), oldest first."""
+        for offloader in self.offloaders:
+            freed = offloader.drain_out(nbytes)
+            if nbytes is not None:
+                nbytes -= freed
+                if nbytes <= 0:
+                    return
+
     def offload(self) -> None:
         for offloader in self.offloaders:
             offloader.offload()
 
     def read_stats(self) -> OffloadStats:
-        """Totals over every DistributedOptimizer on this rank."""
+        """Totals over every DistributedOptimizer on this rank (the peaks are the device's)."""
         total = OffloadStats()
         for offloader in self.offloaders:
             stats = offloader.read_stats()
@@ -343,7 +421,7 @@ class OffloadHandle:
                 value = getattr(stats, field.name)
                 if field.name == "pinned":
                     total.pinned = total.pinned and value
-                elif field.name in ("offloads", "prefetches"):
+                elif field.name in ("offloads", "prefetches", "peak_allocated_bytes", "peak_reserved_bytes"):
                     setattr(total, field.name, max(getattr(total, field.name), value))
                 else:
                     setattr(total, field.name, getattr(total, field.name) + value)
@@ -360,9 +438,10 @@ class OffloadHandle:
             else:
                 setattr(obj, name, before)
         self._wrapped.clear()
-        if self._pacer is not None:
-            self._pacer.remove()
-            self._pacer = None
+        for hooks in (self._pacer, self._room):
+            if hooks is not None:
+                hooks.remove()
+        self._pacer = self._room = None
         for offloader in self.offloaders:
             offloader.restore()
         self.offloaders.clear()
@@ -404,8 +483,9 @@ class OffloadHandle:
                 # Successful, skipped or failed: the state leaves in one piece, never half-way.
                 self.offload()
                 self._install_finalize_hooks()
-                if self._pacer is not None:
-                    self._pacer.new_iteration()
+                for hooks in (self._pacer, self._room):
+                    if hooks is not None:
+                        hooks.new_iteration()
 
         return step_with_offload
 
@@ -453,12 +533,15 @@ def attach_offloader(optimizer: Any, config: OffloadConfig | None = None, **over
             handle._wrap_method(dist_opt, copy_name, lambda _inner, s=streamed: s.copy_main_params_to_model_params)
     handle._wrap_method(optimizer, "step", handle._step_wrapper)
     handle._install_finalize_hooks()
+    model_chunks = list({id(chunk): chunk for dist_opt in dist_opts for chunk in dist_opt.model_chunks}.values())
     if config.prefetch is PrefetchPolicy.AUTO:
-        model_chunks = {id(chunk): chunk for dist_opt in dist_opts for chunk in dist_opt.model_chunks}
-        handle._pacer = _PrefetchDuringBackward(handle, list(model_chunks.values()))
+        handle._pacer = _PrefetchDuringBackward(handle, model_chunks)
+    handle._room = _RoomForForward(handle, model_chunks)
     setattr(optimizer, _HANDLE_ATTR, handle)
-    # Out before the first forward: the masters exist already, and iteration 1's peak counts too.
+    # Out before the first forward, and landed: the masters exist already, iteration 1's peak counts
+    # too, and iteration 1's forward learns its growth with nothing in flight.
     handle.offload()
+    handle.drain_out()
     logger.info(
         "megatron-offload attached to %d DistributedOptimizer(s) (megatron-core %s, %s)",
         len(dist_opts),

@@ -10,7 +10,10 @@ original:
   when ``--offload-optimizer-states`` is given;
 - ``training.print_rank_last``: the per-iteration log line gains the offload figures (on the rank
   that prints it, Megatron's last rank; the figures are that rank's own).
-Without ``--offload-optimizer-states`` nothing behaves differently, with one exception that fixes a
+``--offload-gpu-memory-cap-gib`` caps the process's GPU memory right after argument validation,
+with or without ``--offload-optimizer-states``. Unless ``PYTORCH_CUDA_ALLOC_CONF`` is set, the caching
+allocator's expandable segments are turned on (said in the log; see gpu_memory.py for why).
+Without ``--offload-optimizer-states`` nothing else behaves differently, with one exception that fixes a
 crash of the wheels themselves: megatron-core wheels ship the dataset helpers prebuilt
 (``helpers_cpp``) but not the Makefile that Megatron's start-up ``compile_helpers()`` runs, so every
 run from a wheel exits there. When the prebuilt module imports, that compile step is skipped.
@@ -20,12 +23,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from megatron_offload.args import add_offload_args, config_from_args, validate_offload_args
+from megatron_offload.gpu_memory import apply_memory_cap, use_expandable_segments_by_default
 from megatron_offload.megatron_adapter import OffloadHandle, attach_offloader
 from megatron_offload.report import MemoryReading, format_offload_fields
 
@@ -54,6 +59,12 @@ def _import_megatron_training() -> tuple[Any, Any, Any]:
             "megatron_offload.attach_offloader(optimizer) with your own loop, which works from 0.14 on."
         ) from error
     return arguments, global_vars, training
+
+
+def _print_once(message: str) -> None:
+    """Print on the first rank only (before torch.distributed exists, torchrun's RANK tells)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(message, flush=True)
 
 
 def _has_offload_flags(parser: argparse.ArgumentParser) -> bool:
@@ -96,6 +107,12 @@ def install_training_hooks() -> None:
     def validate_args_then_offload_flags(args: argparse.Namespace, *rest: Any, **kwargs: Any) -> Any:
         result = validate_args(args, *rest, **kwargs)
         validate_offload_args(args)
+        cap = getattr(args, "offload_gpu_memory_cap_gib", None)
+        if cap is not None:  # before the model is built, so that everything counts against it
+            apply_memory_cap(cap, int(os.environ.get("LOCAL_RANK", "0")))
+            _print_once(
+                f"megatron-offload: GPU memory capped at {cap:g} GiB per process (--offload-gpu-memory-cap-gib)"
+            )
         return result
 
     get_megatron_optimizer = training.get_megatron_optimizer
@@ -116,12 +133,18 @@ def install_training_hooks() -> None:
                 current = handle.read_stats()
                 before = previous_stats.get(id(handle), type(current)())
                 memory = MemoryReading(
-                    torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), torch.cuda.max_memory_allocated()
+                    torch.cuda.memory_allocated(),
+                    torch.cuda.memory_reserved(),
+                    current.peak_allocated_bytes,
+                    current.peak_reserved_bytes,
                 )
                 message += format_offload_fields(current, before, memory)
                 previous_stats[id(handle)] = dataclasses.replace(current)
         print_rank_last(message)
 
+    allocator_note = use_expandable_segments_by_default()
+    if allocator_note:
+        _print_once(allocator_note)
     _skip_compile_when_prebuilt()
     arguments.parse_args = parse_args_with_offload_flags
     arguments.validate_args = validate_args_then_offload_flags

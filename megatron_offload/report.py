@@ -16,6 +16,8 @@ class MemoryReading:
     allocated: int
     reserved: int
     peak_allocated: int
+    peak_reserved: int
+    """What the GPU really had to hold at the peak: allocated memory plus the allocator's cached blocks."""
 
 
 def format_offload_fields(current: OffloadStats, previous: OffloadStats, memory: MemoryReading) -> str:
@@ -29,6 +31,6 @@ def format_offload_fields(current: OffloadStats, previous: OffloadStats, memory:
         f" offloaded per rank (GiB): {current.host_bytes / GIB:.2f} |"
         f" offload copy out/in (ms): {per_step_ms('offload_seconds'):.1f}/{per_step_ms('prefetch_seconds'):.1f} |"
         f" offload exposed (ms): {per_step_ms('exposed_seconds'):.1f} |"
-        f" mem allocated/reserved/peak (GiB): {memory.allocated / GIB:.2f}/{memory.reserved / GIB:.2f}"
-        f"/{memory.peak_allocated / GIB:.2f} |"
+        f" mem allocated/reserved (GiB): {memory.allocated / GIB:.2f}/{memory.reserved / GIB:.2f} |"
+        f" mem peak allocated/reserved (GiB): {memory.peak_allocated / GIB:.2f}/{memory.peak_reserved / GIB:.2f} |"
     )

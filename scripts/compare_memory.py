@@ -138,8 +138,11 @@ class RunProgress:
 def run_one(name: str, command: list[str], args: argparse.Namespace, progress: RunProgress) -> int:
     """Run one configuration, streaming its output to DIR/<name>.log; its exit status."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0"}
-    if args.gpus > 1:
-        env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # megatron-core asks for it with TP > 1
+    sys.path.insert(0, str(ROOT))
+    from megatron_offload.launch_config import needs_one_connection
+
+    if needs_one_connection(command):
+        env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # megatron-core requires it with TP or CP > 1
     options: dict[str, Any] = {"cwd": ROOT, "env": env, "text": True, "bufsize": 1, "start_new_session": True}
     with open(args.out / f"{name}.log", "w") as log:
         log.write("$ " + " ".join(command) + "\n")

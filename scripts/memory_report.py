@@ -35,6 +35,8 @@ class Step:
     copy_out_ms: float | None = None
     copy_in_ms: float | None = None
     exposed_ms: float | None = None
+    peak_allocated_gib: float | None = None
+    peak_reserved_gib: float | None = None
 
 
 @dataclass
@@ -101,6 +103,7 @@ def parse_log(text: str) -> RunLog:
         elif match := _ITERATION.search(line):
             values = _fields(match[3])
             copies = values.get("offload copy out/in (ms)", "").split("/")
+            peaks = values.get("mem peak allocated/reserved (GiB)", "").split("/")
             log.train_iters = int(match[2])
             log.steps[int(match[1])] = Step(
                 loss=_number(values.get("lm loss")),
@@ -109,6 +112,8 @@ def parse_log(text: str) -> RunLog:
                 copy_out_ms=_number(copies[0]) if len(copies) == 2 else None,
                 copy_in_ms=_number(copies[1]) if len(copies) == 2 else None,
                 exposed_ms=_number(values.get("offload exposed (ms)")),
+                peak_allocated_gib=_number(peaks[0]) if len(peaks) == 2 else None,
+                peak_reserved_gib=_number(peaks[1]) if len(peaks) == 2 else None,
             )
         elif match := _MEMORY.search(line):
             values = {name: float(value) for name, value in _fields(match[3]).items()}

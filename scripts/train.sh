@@ -12,6 +12,11 @@ if [ ! -x "$venv/bin/python" ]; then
   "$venv/bin/pip" install -q -e . "megatron-core>=0.17"
 fi
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
-[ "${GPUS:-1}" -gt 1 ] && export CUDA_DEVICE_MAX_CONNECTIONS=1  # megatron-core asks for it with TP > 1
+# megatron-core requires one hardware queue with tensor or context parallelism; plain data parallelism
+# keeps the default, which lets copies and compute overlap more freely.
+if "$venv/bin/python" -c 'import sys; from megatron_offload.launch_config import needs_one_connection as n
+sys.exit(0 if n(sys.argv[1:]) else 1)' --config "${CONFIG:-configs/tiny.yaml}" "$@"; then
+  export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+fi
 exec "$venv/bin/python" -m torch.distributed.run --standalone --nproc-per-node "${GPUS:-1}" \
   scripts/pretrain_gpt.py --config "${CONFIG:-configs/tiny.yaml}" --offload-optimizer-states "$@"

@@ -139,3 +139,81 @@ def test_refuses_fsdp_and_optimizer_cuda_graph(attribute: str, flag: str) -> Non
 def test_refuses_async_save_and_says_why() -> None:
     with pytest.raises(ValueError, match="--async-save.*host buffers"):
         validate_offload_args(megatron_like_args(async_save=True))
+
+
+BAD_VALUES = [
+    ("--offload-chunk-mb", "0"),
+    ("--offload-chunk-mb", "-1"),
+    ("--offload-chunk-mb", "nan"),
+    ("--offload-chunk-mb", "inf"),
+    ("--offload-fraction", "1.5"),
+    ("--offload-fraction", "-1"),
+    ("--offload-fraction", "nan"),
+    ("--offload-gpu-memory-cap-gib", "0"),
+    ("--offload-gpu-memory-cap-gib", "-2"),
+    ("--offload-gpu-memory-cap-gib", "nan"),
+]
+
+
+def parsed(*argv: str) -> argparse.Namespace:
+    """Our flags parsed from ``argv``, on top of a Megatron-like namespace that validates."""
+    flags = add_offload_args(argparse.ArgumentParser()).parse_args(["--offload-optimizer-states", *argv])
+    return megatron_like_args(**vars(flags))
+
+
+@pytest.mark.parametrize(("flag", "value"), BAD_VALUES)
+def test_validation_rejects_bad_values_before_anything_is_built(flag: str, value: str) -> None:
+    with pytest.raises(ValueError, match=f"{flag} must be a (positive )?number"):
+        validate_offload_args(parsed(flag, value))
+
+
+def test_the_python_api_and_the_flags_give_the_same_message() -> None:
+    for field, flag, value in (("chunk_mb", "--offload-chunk-mb", 0.0), ("fraction", "--offload-fraction", 1.5)):
+        with pytest.raises(ValueError) as from_api:
+            OffloadConfig(**{field: value})
+        with pytest.raises(ValueError) as from_flags:
+            validate_offload_args(parsed(flag, str(value)))
+        assert str(from_api.value) == str(from_flags.value)
+
+
+@pytest.mark.parametrize("value", ["64", True, None, [1]])
+def test_the_python_api_refuses_values_of_the_wrong_type(value: object) -> None:
+    with pytest.raises(ValueError, match="--offload-chunk-mb must be a positive number"):
+        OffloadConfig(chunk_mb=value)
+    with pytest.raises(ValueError, match="OffloadConfig.pin_memory must be true or false"):
+        OffloadConfig(pin_memory="yes")
+
+
+def test_the_cap_is_checked_with_offloading_off_too() -> None:
+    args = add_offload_args(argparse.ArgumentParser()).parse_args(["--offload-gpu-memory-cap-gib", "-1"])
+    with pytest.raises(ValueError, match="--offload-gpu-memory-cap-gib"):
+        validate_offload_args(args)
+    args = add_offload_args(argparse.ArgumentParser()).parse_args(["--offload-gpu-memory-cap-gib", "24"])
+    validate_offload_args(args)
+    assert args.offload_gpu_memory_cap_gib == 24.0
+
+
+@pytest.mark.parametrize(
+    ("yaml_line", "expected"),
+    [
+        ("offload-fraction: 1.5", "--offload-fraction must be a number from 0"),
+        ("offload-chunk-mb: -4", "--offload-chunk-mb must be a positive number"),
+        ("offload-chunk-mb: abc", "argument --offload-chunk-mb: invalid float value: 'abc'"),
+        ("offload-chunk-mb: true", "argument --offload-chunk-mb: expected one argument"),
+    ],
+)
+def test_a_config_file_gets_the_same_checks(
+    tmp_path, capsys: pytest.CaptureFixture[str], yaml_line: str, expected: str
+) -> None:
+    from megatron_offload.launch_config import expand_config_argv
+
+    (tmp_path / "run.yaml").write_text(f"offload-optimizer-states: true\n{yaml_line}\n")
+    parser = add_offload_args(argparse.ArgumentParser())
+    argv = expand_config_argv(["--config", str(tmp_path / "run.yaml")])
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit:
+        assert expected in capsys.readouterr().err  # argparse names the flag and the value
+        return
+    with pytest.raises(ValueError, match=expected):
+        validate_offload_args(megatron_like_args(**vars(args)))

@@ -329,6 +329,7 @@ def test_exception_in_the_streamed_step_leaves_everything_offloaded() -> None:
     take_step(optimizer, 0)
     offloader = offloader_for(optimizer, masters, chunk_bytes=2000)
     offloader.offload()
+    offloader.host_copies_ready()  # the copies out run on the lane's thread: read once they have landed
     before = {id(t): t.clone() for t in (e.tensor for e in entries(offloader))}
     calls = []
 

@@ -53,11 +53,17 @@ def test_log_fields_average_over_the_interval() -> None:
     now = OffloadStats(
         offloads=12, offload_seconds=1.2, prefetch_seconds=2.3, exposed_seconds=0.6, host_bytes=3 * 1024**3
     )
-    fields = format_offload_fields(now, before, MemoryReading(1024**3, 2 * 1024**3, 5 * 1024**3))
+    fields = format_offload_fields(now, before, MemoryReading(1024**3, 2 * 1024**3, 5 * 1024**3, 6 * 1024**3))
     assert "offloaded per rank (GiB): 3.00 |" in fields
     assert "offload copy out/in (ms): 100.0/150.0 |" in fields
     assert "offload exposed (ms): 50.0 |" in fields
-    assert "mem allocated/reserved/peak (GiB): 1.00/2.00/5.00 |" in fields
+    assert "mem allocated/reserved (GiB): 1.00/2.00 |" in fields
+    assert "mem peak allocated/reserved (GiB): 5.00/6.00 |" in fields
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from memory_report import parse_log
+
+    step = parse_log(f" [2026-11-23] iteration        5/      20 | lm loss: 1.0E+01 |{fields}").steps[5]
+    assert (step.peak_allocated_gib, step.peak_reserved_gib, step.offloaded_gib) == (5.0, 6.0, 3.0)
 
 
 def test_launcher_usage_and_missing_script(capsys: pytest.CaptureFixture[str]) -> None:
@@ -107,3 +113,40 @@ def test_integration_reads_losses_memory_and_offload_figures_from_megatron_logs(
     bigger = results | {"offload": results["offload"] | {"max_allocated_MiB": baseline["max_allocated_MiB"] + 1}}
     (failure,) = integration.check(entry, bigger)
     assert failure.startswith("peak allocated memory dropped -1 MiB, less than 90% of the")
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        ([], False),
+        (["--data-parallel-size", "8"], False),
+        (["--tensor-model-parallel-size", "2"], True),
+        (["--tensor-model-parallel-size=2"], True),
+        (["--context-parallel-size", "2"], True),
+        (["--tensor-model-parallel-size", "2", "--tensor-model-parallel-size", "1"], False),  # the last wins
+        (["--config", "configs/gpt_tp2.yaml"], True),
+        (["--config", "configs/gpt_tp2.yaml", "--tensor-model-parallel-size", "1"], False),
+        (["--config", "configs/tiny.yaml"], False),
+    ],
+)
+def test_one_connection_only_for_tensor_or_context_parallelism(argv: list[str], expected: bool) -> None:
+    from megatron_offload.launch_config import needs_one_connection
+
+    assert needs_one_connection([arg.replace("configs/", f"{ROOT}/configs/") for arg in argv]) is expected
+
+
+def test_train_sh_asks_for_one_connection_only_where_megatron_requires_it() -> None:
+    script = (ROOT / "scripts" / "train.sh").read_text()
+    assert "needs_one_connection" in script
+    assert 'GPUS:-1}" -gt 1 ] && export CUDA_DEVICE_MAX_CONNECTIONS' not in script
+
+
+def test_expandable_segments_unless_the_user_configured_the_allocator() -> None:
+    from megatron_offload.gpu_memory import use_expandable_segments_by_default
+
+    environ: dict[str, str] = {}
+    note = use_expandable_segments_by_default(environ)
+    assert environ == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"} and "PYTORCH_CUDA_ALLOC_CONF" in note
+    for user in ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}, {"PYTORCH_ALLOC_CONF": "x:y"}):
+        environ = dict(user)
+        assert use_expandable_segments_by_default(environ) is None and environ == user

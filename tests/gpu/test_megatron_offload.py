@@ -153,32 +153,38 @@ def test_overlapped_grad_reduce_and_param_gather_keep_parity() -> None:
     assert_bitwise_equal(expected_state, state)
 
 
-def test_auto_brings_state_back_during_backward_without_raising_the_peak() -> None:
+def test_auto_fits_wherever_step_fits_and_brings_state_back_during_backward() -> None:
     # 8 layers of about 0.2 GiB of activations each against 0.3 GiB of state: backward frees far more.
     shape = GPTShape(num_layers=8, hidden_size=512, ffn_hidden_size=2048, seq_length=2048, micro_batch_size=4)
+    total = torch.cuda.get_device_properties(0).total_memory
 
-    def peak_of(prefetch: str) -> tuple[int, object]:
+    def run(prefetch: str, cap: int | None = None) -> tuple[int, object]:
+        """Peak reserved memory of iterations 3-4 (the whole process's: what the GPU has to hold)."""
         gc.collect()  # the other run's model, if any, must be gone: its memory would count here
-        before = torch.cuda.memory_allocated()
-        training = build_gpt_training(shape)
-        handle = attach_offloader(training.optimizer, prefetch=prefetch, chunk_mb=4)
-        train(training, 2)
-        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        streamed_before = handle.read_stats().bytes_streamed
-        train(training, 2)
-        torch.cuda.synchronize()
-        peak, stats = torch.cuda.max_memory_allocated() - before, handle.read_stats()
-        stats.bytes_streamed -= streamed_before
-        handle.detach()
-        return peak, stats
+        torch.cuda.set_per_process_memory_fraction((cap or total) / total)
+        try:
+            training = build_gpt_training(shape)
+            handle = attach_offloader(training.optimizer, prefetch=prefetch, chunk_mb=4)
+            train(training, 2)
+            streamed_before = handle.read_stats().bytes_streamed
+            train(training, 2)
+            stats = handle.read_stats()
+            stats.bytes_streamed -= streamed_before
+            handle.detach()
+            return torch.cuda.max_memory_reserved(), stats
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0)
 
-    step_peak, step_stats = peak_of("step")
-    auto_peak, auto_stats = peak_of("auto")
+    step_peak, step_stats = run("step")
     assert step_stats.bytes_streamed == 2 * step_stats.host_bytes
+    # Capped at what `step` needed, `auto` must still run: its copies back during backward may only use
+    # memory backward freed, and its copies out may only linger where the forward has room.
+    auto_peak, auto_stats = run("auto", cap=step_peak)
     figures = f"peaks {auto_peak=} {step_peak=}, {auto_stats=}"
     assert auto_stats.bytes_streamed < 0.5 * auto_stats.host_bytes, figures  # most came back during backward
-    assert auto_peak <= step_peak + 64 * 2**20, figures
+    assert auto_peak <= step_peak, figures
 
 
 def test_allocated_memory_drops_by_the_offloaded_bytes() -> None:
@@ -206,7 +212,8 @@ def test_allocated_memory_drops_by_the_offloaded_bytes() -> None:
     torch.cuda.synchronize()
     resident = torch.cuda.memory_allocated()
     handle.offload()
-    torch.cuda.synchronize()
+    assert handle.pending_out_bytes() > 0  # freed as each copy lands, not before
+    handle.drain_out()
     offloaded = torch.cuda.memory_allocated()
     stats = handle.read_stats()
     assert stats.gpu_bytes_freed == expected_bytes == stats.host_bytes
@@ -227,7 +234,7 @@ def test_many_cycles_leak_neither_gpu_nor_pinned_memory() -> None:
         handle.wait()
         handle.offload()
         if cycle in (9, 199):
-            torch.cuda.synchronize()
+            handle.drain_out()  # every copy out landed and its memory freed
             readings.append((torch.cuda.memory_allocated(), pinned_by_torch(), handle.read_stats().host_bytes))
             rss.append(psutil.Process().memory_info().rss)
     assert readings[0] == readings[1]

@@ -1,0 +1,68 @@
+"""The process's GPU memory settings: a cap (as if the GPU were smaller), the limit the offloader must
+stay under, and expandable segments for PyTorch's caching allocator unless the user configured it.
+
+Why expandable segments: the state comes back into memory that backward freed and leaves again while
+the next forward allocates, in 64 MiB pieces. With fixed-size segments, those pieces split the large
+blocks activations were in, and a later large request finds no single free block although enough
+memory is free in total (measured: "tried to allocate 512 MiB" with 8.9 GiB reserved but unallocated).
+Expandable segments map and unmap pages of one growing segment instead, so free memory is usable.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["apply_memory_cap", "memory_limit_bytes", "use_expandable_segments_by_default"]
+
+GIB = 1024**3
+ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+_cap_bytes: dict[int, int] = {}  # device index -> the cap applied by apply_memory_cap
+
+
+def use_expandable_segments_by_default(environ: dict[str, str] | None = None) -> str | None:
+    """Before CUDA starts: turn on expandable segments unless the allocator is configured already.
+    Returns the line to log, or None when the user's setting stands."""
+    environ = os.environ if environ is None else environ
+    if any(environ.get(name) for name in ALLOCATOR_VARIABLES):
+        return None
+    environ["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE_SEGMENTS
+    return (
+        f"megatron-offload: PYTORCH_CUDA_ALLOC_CONF was not set; using {EXPANDABLE_SEGMENTS} so that state "
+        "moving in and out does not fragment GPU memory. Set PYTORCH_CUDA_ALLOC_CONF yourself to choose otherwise."
+    )
+
+
+def apply_memory_cap(cap_gib: float, device: int) -> int:
+    """Let PyTorch's allocator use at most ``cap_gib`` GiB on ``device`` (as on a GPU that small);
+    returns the cap in bytes. Must run before the model is built to mean anything."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    cap = int(cap_gib * GIB)
+    if not 0 < cap <= total:
+        raise ValueError(
+            f"--offload-gpu-memory-cap-gib {cap_gib:g} must be above 0 and at most this GPU's "
+            f"{total / GIB:.1f} GiB; give the memory of the GPU you want to imitate."
+        )
+    torch.cuda.set_per_process_memory_fraction(cap / total, device)
+    _cap_bytes[device] = cap
+    return cap
+
+
+def memory_limit_bytes(device: torch.device | int) -> int:
+    """What this process's caching allocator can hold on ``device``: the cap when one is set, else what
+    it holds now plus what the GPU has free."""
+    index = torch.device("cuda", device).index if isinstance(device, int) else device.index
+    index = torch.cuda.current_device() if index is None else index
+    if index in _cap_bytes:
+        return _cap_bytes[index]
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if fraction is not None and fraction(index) < 1.0:
+        return int(fraction(index) * torch.cuda.get_device_properties(index).total_memory)
+    free, _ = torch.cuda.mem_get_info(index)
+    return torch.cuda.memory_reserved(index) + free
