@@ -34,7 +34,7 @@ from packaging.version import Version
 
 from megatron_offload.config import OffloadConfig, PrefetchPolicy
 from megatron_offload.engine import OffloadStats, OptimizerStateOffloader
-from megatron_offload.gpu_memory import memory_limit_bytes
+from megatron_offload.pacing import PrefetchDuringBackward, RoomForForward
 
 logger = logging.getLogger(__name__)
 
@@ -44,12 +44,6 @@ CHECKED_MEGATRON_CORE_VERSIONS = ("0.16.1", "0.19.2")
 SUPPORTED_RANGE = (Version("0.14"), Version("0.20"))
 _HANDLE_ATTR = "_megatron_offload_handle"
 MIB = 1024**2
-# Least room kept free under the level backward started from when bringing state back during
-# backward (see _PrefetchDuringBackward for the learned margin).
-PACING_MIN_MARGIN_BYTES = 64 * MIB
-PACING_SAMPLES = 64  # memory readings per backward
-# Least room kept free for what the forward allocates between two of its hooks while copies out drain.
-FORWARD_MIN_MARGIN_BYTES = 256 * MIB
 _saving: set[int] = set()  # id() of each offloader whose sharded_state_dict is building a save right now
 
 # DistributedOptimizer methods that read or write optimizer state outside step() (checkpointing,
@@ -178,169 +172,6 @@ def _in_last_microbatch(model_chunks: Sequence[Any]) -> bool:
     return True
 
 
-class _PrefetchDuringBackward:
-    """Brings state back during the last micro-batch's backward, only into memory that backward has
-    freed, so the peak does not rise. Driven by gradient-ready hooks.
-
-    What is allocated plus what we brought back must stay under the level backward started from (the
-    end of the forward), twice over:
-    - during backward, less a margin for backward's temporaries, which come and go between two hooks
-      where no reading sees them. The margin is learned: twice the most memory freed between two
-      readings (one layer's saved activations; backward's temporaries were measured at 1.5 times that
-      with unfused attention);
-    - at the step, where what we brought back is still there when the step makes its own tensors
-      (megatron-core's fp32 copies of bf16 gradients, Adam's temporaries, the streamed step's two
-      staging chunks): what the step holds when it starts is learned too, and its extra is bounded.
-    Both are learned over earlier iterations; the first one that samples only learns.
-    NOTE: which backward is the last is counted, not read from DDP's ``is_last_microbatch``: Megatron-LM
-    installs ``no_sync`` only with --overlap-grad-reduce, so without it that flag is always set. The
-    first iteration counts the backwards (the firings of the param whose gradient comes first).
-    """
-
-    def __init__(self, handle: OffloadHandle, model_chunks: Sequence[Any]) -> None:
-        self.handle = handle
-        self.model_chunks = list(model_chunks)
-        self.level = 0  # highest reading of this backward, without what we brought back
-        self.previous: int | None = None  # the last reading, without what we brought back
-        self.brought = 0  # bytes brought back during this backward
-        self.largest_drop = 0  # most memory freed between two readings, over all backwards so far
-        self.margin: int | None = None  # None until one backward has been seen
-        self.at_step: int | None = None  # most memory held when a step starts, without what we brought
-        self.step_started = False
-        self.step_extra = 0  # what the step adds on top (see OptimizerStateOffloader.step_footprint)
-        self.calls = 0
-        self.every = 1
-        self.first_param: int | None = None  # id of the param whose gradient is ready first in a backward
-        self.backwards = 0  # backwards begun in this iteration
-        self.backwards_per_iteration: int | None = None
-        params = {id(p): p for chunk in self.model_chunks for p in chunk.parameters() if p.requires_grad}
-        self.hooks = [param.register_post_accumulate_grad_hook(self.on_grad_ready) for param in params.values()]
-        self.on_gpu = torch.cuda.is_available()
-
-    def on_grad_ready(self, param: torch.Tensor) -> None:
-        if self.first_param is None:
-            self.first_param = id(param)
-        if id(param) == self.first_param:
-            self.backwards += 1
-        if not self.on_gpu or self.backwards != self.backwards_per_iteration:
-            return
-        if not _in_last_microbatch(self.model_chunks):
-            return
-        self.calls += 1
-        if self.calls % self.every:
-            return
-        natural = _allocated_bytes() - self.brought
-        if self.previous is not None:
-            self.largest_drop = max(self.largest_drop, self.previous - natural)
-        self.previous = natural
-        self.level = max(self.level, natural)
-        if self.margin is None:
-            return
-        if self.at_step is None:
-            return
-        room = min(self.level - self.margin - natural, self.level - self.at_step - self.step_extra) - self.brought
-        for offloader in self.handle.offloaders:
-            if room <= 0:
-                break
-            started = offloader.prefetch(max_bytes=room)
-            room -= started
-            self.brought += started
-
-    def on_step_start(self) -> None:
-        """Called as the inner optimizer step starts (gradients prepared): learn what the step holds."""
-        if self.step_started or not self.on_gpu:
-            return
-        self.step_started = True
-        held = _allocated_bytes() - self.brought
-        self.at_step = held if self.at_step is None else max(self.at_step, held)
-
-    def new_iteration(self) -> None:
-        """Called after every step: learn from the backward just seen, start afresh."""
-        if self.backwards_per_iteration is None and self.backwards:
-            self.backwards_per_iteration = self.backwards  # the next iteration samples its last backward
-        elif self.calls:
-            self.every = max(1, self.calls // PACING_SAMPLES)
-            self.margin = max(PACING_MIN_MARGIN_BYTES, 2 * self.largest_drop)
-        self.calls, self.level, self.previous, self.brought, self.backwards = 0, 0, None, 0, 0
-        self.step_started = False
-        self.step_extra = max((offloader.step_footprint() for offloader in self.handle.offloaders), default=0)
-
-    def remove(self) -> None:
-        for hook in self.hooks:
-            hook.remove()
-        self.hooks.clear()
-
-
-class _RoomForForward:
-    """Holds the forward back, on the host, while copies out still hold GPU memory it needs.
-
-    After the step the state leaves one chunk at a time and each chunk's memory is freed as its copy
-    lands, while the next forward already runs. Where the GPU has room the two simply overlap. Where it
-    has not (a full GPU, or a cap), forward pre-hooks wait for the oldest copies out until what is
-    allocated, plus a margin for what the forward allocates before the next hook, fits under the
-    limit: so the allocator never runs out while our memory is about to be freed. The margin is twice
-    the largest growth between two hooks seen so far; the first iteration, with nothing to drain yet
-    (attach waits for the masters' copy out), learns it.
-    """
-
-    def __init__(self, handle: OffloadHandle, model_chunks: Sequence[Any]) -> None:
-        self.handle = handle
-        modules = {
-            id(module): module
-            for chunk in model_chunks
-            for module in chunk.modules()
-            if next(module.parameters(recurse=False), None) is not None
-        }
-        self.hooks = [module.register_forward_pre_hook(self.before_forward) for module in modules.values()]
-        self.on_gpu = torch.cuda.is_available()
-        self.device = torch.cuda.current_device() if self.on_gpu else None
-        self.learning = True  # until the first step: read at every hook, to learn the growth
-        self.previous: int | None = None  # the last reading, without what copies out still hold
-        self.largest_growth = 0
-        self.limit: int | None = None
-        self.waited = 0  # times a forward waited (for tests and the log)
-
-    def before_forward(self, module: torch.nn.Module, args: Any) -> None:
-        if not self.on_gpu:
-            return
-        pending = self.handle.pending_out_bytes()
-        if not pending and not self.learning:
-            return
-        natural = _allocated_bytes() - pending
-        if self.previous is not None:
-            self.largest_growth = max(self.largest_growth, natural - self.previous)
-        self.previous = natural
-        if not pending:
-            return
-        if self.limit is None:
-            self.limit = memory_limit_bytes(self.device)
-        margin = max(FORWARD_MIN_MARGIN_BYTES, 2 * self.largest_growth)
-        excess = natural + pending + margin - self.limit
-        if excess > 0 or self.learning:  # nothing learned yet: let everything land first
-            self.waited += 1
-            self.handle.drain_out(None if self.learning else excess)
-
-    def new_iteration(self) -> None:
-        """Called after every step: the limit may have moved (other processes, a new cap)."""
-        self.learning = False
-        self.previous = None
-        self.limit = memory_limit_bytes(self.device) if self.on_gpu else None
-
-    def remove(self) -> None:
-        for hook in self.hooks:
-            hook.remove()
-        self.hooks.clear()
-
-
-def _allocated_bytes() -> int:
-    """``torch.cuda.memory_allocated()`` without flattening every allocator statistic into a new dict
-    on each call, which the backward hooks would pay many times per iteration."""
-    stats = getattr(torch._C, "_cuda_memoryStats", None)
-    if stats is None:
-        return torch.cuda.memory_allocated()
-    return stats(torch.cuda.current_device())["allocated_bytes"]["all"]["current"]
-
-
 def _master_weights(dist_opt: Any) -> list[Any]:
     """fp32 masters held outside the Adam state (empty when TE's FusedAdam holds them)."""
     return [t for group in dist_opt.shard_fp32_from_float16_groups for t in group if t is not None]
@@ -379,8 +210,8 @@ class OffloadHandle:
         self.config = config
         self.offloaders: list[OptimizerStateOffloader] = []
         self.streamed = True  # every DistributedOptimizer runs the streamed step (else: whole state back)
-        self._pacer: _PrefetchDuringBackward | None = None
-        self._room: _RoomForForward | None = None
+        self._pacer: PrefetchDuringBackward | None = None
+        self._room: RoomForForward | None = None
         self._wrapped: list[tuple[Any, str, Any]] = []  # (object, attribute, what was there before)
 
     def prefetch(self) -> None:
@@ -535,8 +366,8 @@ def attach_offloader(optimizer: Any, config: OffloadConfig | None = None, **over
     handle._install_finalize_hooks()
     model_chunks = list({id(chunk): chunk for dist_opt in dist_opts for chunk in dist_opt.model_chunks}.values())
     if config.prefetch is PrefetchPolicy.AUTO:
-        handle._pacer = _PrefetchDuringBackward(handle, model_chunks)
-    handle._room = _RoomForForward(handle, model_chunks)
+        handle._pacer = PrefetchDuringBackward(handle, model_chunks, lambda: _in_last_microbatch(model_chunks))
+    handle._room = RoomForForward(handle, model_chunks)
     setattr(optimizer, _HANDLE_ATTR, handle)
     # Out before the first forward, and landed: the masters exist already, iteration 1's peak counts
     # too, and iteration 1's forward learns its growth with nothing in flight.
