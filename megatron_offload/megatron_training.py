@@ -7,7 +7,8 @@ original:
 - ``arguments.parse_args``: our flags join Megatron's parser (unless the script already added them);
 - ``arguments.validate_args``: our rules run after Megatron's own;
 - ``training.get_megatron_optimizer``: the offloader is attached to the optimizer Megatron builds,
-  when ``--offload-optimizer-states`` is given;
+  when ``--offload-optimizer-states`` is given; with torch Adam (no TransformerEngine or apex), with
+  or without offloading, megatron-core's resume bugs are worked around (``fix_torch_adam_checkpoints``);
 - ``training.print_rank_last``: the per-iteration log line gains the offload figures (on the rank
   that prints it, Megatron's last rank; the figures are that rank's own).
 ``--offload-gpu-memory-cap-gib`` caps the process's GPU memory right after argument validation,
@@ -31,7 +32,7 @@ import torch
 
 from megatron_offload.args import add_offload_args, config_from_args, validate_offload_args
 from megatron_offload.gpu_memory import apply_memory_cap, use_expandable_segments_by_default
-from megatron_offload.megatron_adapter import OffloadHandle, attach_offloader
+from megatron_offload.megatron_adapter import OffloadHandle, attach_offloader, fix_torch_adam_checkpoints
 from megatron_offload.report import MemoryReading, format_offload_fields
 
 __all__ = ["MissingMegatronTraining", "attached_handles", "install_training_hooks"]
@@ -119,6 +120,9 @@ def install_training_hooks() -> None:
 
     def get_megatron_optimizer_and_attach(*args: Any, **kwargs: Any) -> Any:
         optimizer = get_megatron_optimizer(*args, **kwargs)
+        fix_note = fix_torch_adam_checkpoints(optimizer)  # with or without offloading
+        if fix_note:
+            _print_once(fix_note)
         megatron_args = global_vars.get_args()
         if getattr(megatron_args, "offload_optimizer_states", False):
             _handles.append(attach_offloader(optimizer, config_from_args(megatron_args)))
