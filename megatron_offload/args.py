@@ -44,14 +44,14 @@ def add_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         help="When the state comes back to the GPU. 'auto' (default): during the last micro-batch's "
         "backward, into memory backward has freed, and the rest streams through the optimizer step. "
         "'finalize': all of it once backward is done. 'step': none ahead; the step streams it all, "
-        "holding only two chunks on the GPU (the smallest footprint).",
+        "holding only three chunks on the GPU (the smallest footprint).",
     )
     group.add_argument(
         "--offload-chunk-mb",
         type=float,
         default=DEFAULTS.chunk_mb,
         metavar="MIB",
-        help="Size of the pieces the state moves in (default 64). The streamed optimizer step holds two "
+        help="Size of the pieces the state moves in (default 64). The streamed optimizer step holds three "
         "of them on the GPU; a parameter larger than this moves as one piece.",
     )
     group.add_argument(

@@ -19,7 +19,7 @@ class PrefetchPolicy(str, Enum):
     FINALIZE = "finalize"
     """All of it when gradients are finalized (backward done): the copy overlaps the gradient reduction."""
     STEP = "step"
-    """None of it ahead: the step streams everything, holding at most two chunks on the GPU."""
+    """None of it ahead: the step streams everything, holding at most three chunks on the GPU."""
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class OffloadConfig:
     """When the copy back to the GPU starts; see ``PrefetchPolicy``."""
     chunk_mb: float = 64.0
     """Size of the pieces the state moves in, in MiB: whole parameters, so a parameter larger than
-    this makes a chunk of its own. The pipelined step holds two chunks on the GPU."""
+    this makes a chunk of its own. The pipelined step holds three chunks on the GPU."""
     fraction: float = 1.0
     """Share of the state to offload (0 to 1, in whole chunks); the rest stays on the GPU."""
     pin_memory: bool = True

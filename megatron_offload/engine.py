@@ -5,8 +5,11 @@ list of extra tensors (fp32 master weights kept outside the optimizer state).
 
 The state is cut into chunks of whole parameters (a parameter's master and moments always share a
 chunk). Each chunk moves on its own: it can come back early, while backward frees memory, or stream
-through the optimizer step (copy in chunk i+1, update chunk i, copy out chunk i-1, in two reusable
+through the optimizer step (copy in chunk i+2, update chunk i, copy out chunk i-1, in three reusable
 staging buffers), so both copy directions run at once and the step never holds all the state.
+Every copy goes through a copy lane (copy_lane.py): a helper thread per direction issues one chunk at
+a time, after waiting on the host for what the copy depends on, and frees a chunk's GPU memory once
+its copy out has landed.
 """
 
 from __future__ import annotations
@@ -166,8 +169,9 @@ class OptimizerStateOffloader:
     step, or ``run_step()``, which streams whatever has not come back through a pipelined step.
 
     NOTE: tensor objects are never replaced, only what they hold: offloading points each one's ``.data``
-    at its host copy (the GPU storage, no longer referenced, goes back to the allocator) and prefetching
-    points it at GPU memory. ``optimizer.state``, ``param_groups`` and outside references stay valid,
+    at its host copy at once (the GPU storage is then held only by the copy-out lane, which frees it when
+    the copy has landed; ``pending_out_bytes``, ``drain_out``) and prefetching points it at GPU memory.
+    ``optimizer.state``, ``param_groups`` and outside references stay valid,
     and while offloaded a tensor is a CPU tensor with the right values: code that reads it gets the
     right numbers (after ``host_copies_ready()``), code that mixes it with GPU tensors gets a device
     error, and a write to it (a checkpoint load) lands in the host copy that the next prefetch brings back.
