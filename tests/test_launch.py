@@ -110,9 +110,17 @@ def test_integration_reads_losses_memory_and_offload_figures_from_megatron_logs(
     assert integration.check(entry, results) == []
     table = integration.render_table({entry.name: {"gpus": 1, "failures": [], "runs": results}})
     assert "nightly-fixture" in table and table.rstrip().endswith("ok")
-    bigger = results | {"offload": results["offload"] | {"max_allocated_MiB": baseline["max_allocated_MiB"] + 1}}
-    (failure,) = integration.check(entry, bigger)
-    assert failure.startswith("peak allocated memory dropped -1 MiB, less than 90% of the")
+    # 732,257,280 parameters x 12 bytes = 8.18 GiB, as the offload run's log line says
+    assert abs(offload["expected_state_GiB"] - 8.18) < 0.01
+    lost = results | {"offload": results["offload"] | {"offloaded_GiB_per_rank": 6.0}}
+    (failure,) = integration.check(entry, lost)
+    assert failure == "offload: 6.0 GiB offloaded per rank, expected 8.18 (12 B/param)"
+    # A capped entry: its offload run gets the baseline's peak less 90% of the state, and must stay under it.
+    cap = integration.cap_from(baseline)
+    assert cap == baseline["max_allocated_MiB"] / 1024 - 0.9 * baseline["expected_state_GiB"]
+    over = results | {"offload": results["offload"] | {"cap_GiB": cap, "max_reserved_MiB": cap * 1024 + 1}}
+    (failure,) = integration.check(entry, over)
+    assert failure.startswith("offload: peak reserved") and "above the" in failure
 
 
 @pytest.mark.parametrize(
