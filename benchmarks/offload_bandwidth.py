@@ -32,8 +32,7 @@ import torch  # noqa: E402
 
 from megatron_offload import attach_offloader  # noqa: E402
 from megatron_offload.host_memory import HostSlab  # noqa: E402
-from megatron_offload.megatron_adapter import distributed_optimizers  # noqa: E402
-from tests.gpu.harness import GPTShape, GPTTraining, build_gpt_training, init_distributed  # noqa: E402
+from tests.gpu.harness import GPTShape, GPTTraining, build_gpt_training, init_distributed, state_bytes  # noqa: E402
 
 GB, GIB = 1e9, 2**30
 
@@ -143,10 +142,7 @@ def _train(shape: GPTShape, steps: int, overrides: dict[str, Any], attach: Calla
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     training = build_gpt_training(shape, optimizer_overrides=overrides)
-    state_bytes = 12 * sum(
-        p.numel() for opt in distributed_optimizers(training.optimizer) for g in opt.optimizer.param_groups
-        for p in g["params"]
-    )  # fmt: skip
+    state = state_bytes(training)
     handle = attach(training) if attach else None
     at_warmup = None
     whole_run_peak = (0, 0)
@@ -167,7 +163,7 @@ def _train(shape: GPTShape, steps: int, overrides: dict[str, Any], attach: Calla
         "peak_allocated_abs_GiB": torch.cuda.max_memory_allocated() / GIB,
         "peak_reserved_GiB": whole_run_peak[1] / GIB,
         "allocated_between_steps_GiB": (torch.cuda.memory_allocated() - before) / GIB,
-        "state_GiB": state_bytes / GIB,
+        "state_GiB": state / GIB,
     }
     if handle is not None:
         stats, measured = handle.read_stats(), steps - WARMUP

@@ -23,8 +23,7 @@ use_expandable_segments_by_default()  # before CUDA starts, as our entry points 
 import torch  # noqa: E402
 
 from megatron_offload import attach_offloader  # noqa: E402
-from megatron_offload.megatron_adapter import distributed_optimizers  # noqa: E402
-from tests.gpu.harness import GPTShape, build_gpt_training, init_distributed  # noqa: E402
+from tests.gpu.harness import GPTShape, build_gpt_training, init_distributed, state_bytes  # noqa: E402
 
 # Activations of a micro-batch (~1.5 GiB) well above the state (~0.9 GiB), as in pretraining.
 SHAPE = GPTShape(
@@ -48,10 +47,7 @@ def train(prefetch: str | None) -> dict:
     torch.cuda.reset_peak_memory_stats()
     try:
         training = build_gpt_training(SHAPE)
-        state_bytes = 12 * sum(
-            p.numel() for opt in distributed_optimizers(training.optimizer) for g in opt.optimizer.param_groups
-            for p in g["params"]
-        )  # fmt: skip
+        state = state_bytes(training)
         handle = attach_offloader(training.optimizer, prefetch=prefetch) if prefetch else None
         losses = [training.train_step(iteration)[0] for iteration in range(STEPS)]
         params = torch.cat([p.detach().flatten().float() for p in training.model[0].parameters()]).cpu()
@@ -62,7 +58,7 @@ def train(prefetch: str | None) -> dict:
     return {
         "losses": losses,
         "params": params,
-        "state_bytes": state_bytes,
+        "state_bytes": state,
         "peak_allocated": torch.cuda.max_memory_allocated(),
         "peak_reserved": torch.cuda.max_memory_reserved(),
     }

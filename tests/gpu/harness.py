@@ -243,6 +243,14 @@ def build_gpt_training(
     return GPTTraining(model, optimizer, config, shape, loss_scale=loss_scale)
 
 
+def state_bytes(training: GPTTraining) -> int:
+    """The fp32 master and Adam state of this rank: 12 bytes per parameter shard the optimizer steps."""
+    from megatron_offload.megatron_adapter import distributed_optimizers
+
+    inner = [dist_opt.optimizer for dist_opt in distributed_optimizers(training.optimizer)]
+    return 12 * sum(param.numel() for opt in inner for group in opt.param_groups for param in group["params"])
+
+
 def _poison_one_main_grad(model: list[DistributedDataParallel]) -> None:
     """Write inf into one parameter's main_grad (the fp32 grad buffer the optimizer reads)."""
     param = next(p for p in model[0].parameters() if p.requires_grad)
