@@ -190,7 +190,13 @@ def fix_torch_adam_checkpoints(optimizer: Any) -> str | None:
     """
     from megatron.core.optimizer import distrib_optimizer
 
-    if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", None) is not False:
+    have_fused_adam = getattr(distrib_optimizer, "HAVE_APEX_OR_TE", None)
+    if have_fused_adam is None:  # a megatron-core laid out differently: say so now, not at the first load
+        return (
+            f"megatron-offload: megatron-core {version('megatron-core')} is not laid out as 0.16-0.19 "
+            "(no distrib_optimizer.HAVE_APEX_OR_TE): the torch-Adam resume workaround is not applied"
+        )
+    if have_fused_adam:
         return None  # FusedAdam keeps its step in the param groups: neither bug applies
     for dist_opt in distributed_optimizers(optimizer):
         if vars(dist_opt).get(_FIXED_ATTR):
