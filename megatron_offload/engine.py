@@ -481,7 +481,8 @@ class OptimizerStateOffloader:
             # Unchanged since it came back (a skipped step): the host copy is exact, nothing to copy;
             # the memory is freed once the copy-in that filled it has landed.
             copies, ready = [], chunk.arriving
-        job = CopyJob(self._issuer("offload", self._out_stream, copies), chunk.nbytes, ready, keep, urgent)
+        issue = self._issuer("offload", self._out_stream, copies) if copies else lambda: None
+        job = CopyJob(issue, chunk.nbytes, ready, keep, urgent)
         chunk.leaving = out_lane.submit(job)
         for entry in chunk.entries:
             entry.tensor.data = entry.host  # our reference to the device memory is now only the job's
@@ -496,7 +497,7 @@ class OptimizerStateOffloader:
         urgent: bool = False,
     ) -> None:
         """Hand an offloaded chunk to the copy-in lane, to come back into ``block`` (default: fresh
-        device memory, allocated now on the compute stream)."""
+        device memory, allocated now on the compute stream) once ``ready`` has completed."""
         _, in_lane = self._lanes()
         if chunk.leaving is not None:
             chunk.leaving.synchronize()  # on the host: its host copy must be complete before it is read
@@ -513,7 +514,7 @@ class OptimizerStateOffloader:
                 ) from error
             # The allocator may have handed us memory compute work has just freed: the lane waits
             # (on the host) for the compute stream to get past that work before overwriting it.
-            ready = self._compute_reached()
+            ready = ready or self._compute_reached()
         slab = self._slab.tensor
         runs = _runs(chunk.entries)
         copies = [(block[offset : offset + size], slab[host : host + size]) for host, offset, size in runs]
@@ -573,12 +574,14 @@ class OptimizerStateOffloader:
         ``wait()`` or ``run_step()``.
         """
         started = 0
+        # One mark for every block allocated here: no compute work is queued in between.
+        reached = self._compute_reached() if any(chunk.offloaded for chunk in self._chunks) else None
         for chunk in self._chunks:
             if not chunk.offloaded:
                 continue
             if max_bytes is not None and started + chunk.nbytes > max_bytes:
                 break
-            self._copy_in(chunk)
+            self._copy_in(chunk, ready=reached)
             started += chunk.nbytes
         if started:
             self.stats.prefetches += 1

@@ -57,12 +57,13 @@ def apply_memory_cap(cap_gib: float, device: int) -> int:
 def memory_limit_bytes(device: torch.device | int) -> int:
     """What this process's caching allocator can hold on ``device``: the cap when one is set, else what
     it holds now plus what the GPU has free."""
-    index = torch.device("cuda", device).index if isinstance(device, int) else device.index
+    index = device if isinstance(device, int) else device.index
     index = torch.cuda.current_device() if index is None else index
     if index in _cap_bytes:
         return _cap_bytes[index]
-    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    if fraction is not None and fraction(index) < 1.0:
-        return int(fraction(index) * torch.cuda.get_device_properties(index).total_memory)
+    read_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # newer torch only
+    fraction = read_fraction(index) if read_fraction is not None else 1.0
+    if fraction < 1.0:
+        return int(fraction * torch.cuda.get_device_properties(index).total_memory)
     free, _ = torch.cuda.mem_get_info(index)
     return torch.cuda.memory_reserved(index) + free

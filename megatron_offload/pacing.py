@@ -181,10 +181,11 @@ class RoomForForward:
             self.handle.drain_out(None if self.learning else excess)
 
     def new_iteration(self) -> None:
-        """Called after every step: the limit may have moved (other processes, a new cap)."""
+        """Called after every step: the limit is read again, when next needed (other processes may
+        have taken memory meanwhile)."""
         self.learning = False
         self.previous = None
-        self.limit = memory_limit_bytes(self.device) if self.on_gpu else None
+        self.limit = None
 
     def remove(self) -> None:
         for hook in self.hooks:
