@@ -72,8 +72,8 @@ def offloader_run(state_gb: float, prefetch: str, small: torch.Tensor, repeats: 
             offloader.run_step()
         wait = timed_read(small)
         start = time.perf_counter()
-        pending = offloader.pending_out_bytes
-        offloader.drain_out()
+        pending = offloader.pending_offload_bytes
+        offloader.drain_offloads()
         if step:
             waits.append(wait)
             drains.append(pending / max(time.perf_counter() - start, 1e-9) / GB)

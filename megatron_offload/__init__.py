@@ -6,9 +6,10 @@ come back on a side CUDA stream before the next step; the Adam math stays on the
 
 from megatron_offload.args import add_offload_args, config_from_args, validate_offload_args
 from megatron_offload.config import OffloadConfig, PrefetchPolicy
-from megatron_offload.engine import OffloadStats, OptimizerStateOffloader
+from megatron_offload.engine import OptimizerStateOffloader
 from megatron_offload.host_memory import HostMemoryError
 from megatron_offload.megatron_adapter import CHECKED_MEGATRON_CORE_VERSIONS, OffloadHandle, attach_offloader
+from megatron_offload.stats import OffloadStats
 
 __version__ = "0.1.0"
 

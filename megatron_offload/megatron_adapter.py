@@ -33,17 +33,19 @@ import torch
 from packaging.version import Version
 
 from megatron_offload.config import OffloadConfig, PrefetchPolicy
-from megatron_offload.engine import OffloadStats, OptimizerStateOffloader
+from megatron_offload.engine import OptimizerStateOffloader
+from megatron_offload.gpu_memory import memory_limit_bytes
 from megatron_offload.pacing import PrefetchDuringBackward, RoomForForward
+from megatron_offload.scheduler import MIB, Peaks, StateScheduler
+from megatron_offload.stats import OffloadStats
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CHECKED_MEGATRON_CORE_VERSIONS", "OffloadHandle", "attach_offloader", "fix_torch_adam_checkpoints"]
+__all__ = ["CHECKED_MEGATRON_CORE_VERSIONS", "OffloadHandle", "attach_offloader", "distributed_optimizers"]
 
 CHECKED_MEGATRON_CORE_VERSIONS = ("0.16.1", "0.19.2")
 SUPPORTED_RANGE = (Version("0.14"), Version("0.20"))
 _HANDLE_ATTR = "_megatron_offload_handle"
-MIB = 1024**2
 _saving: set[int] = set()  # id() of each offloader whose sharded_state_dict is building a save right now
 
 # DistributedOptimizer methods that read or write optimizer state outside step() (checkpointing,
@@ -172,81 +174,6 @@ def _in_last_microbatch(model_chunks: Sequence[Any]) -> bool:
     return True
 
 
-_FIXED_ATTR = "_megatron_offload_adam_step_fix"
-
-
-def fix_torch_adam_checkpoints(optimizer: Any) -> str | None:
-    """Work around two megatron-core bugs of its torch-Adam path (neither TransformerEngine nor apex
-    installed), seen in 0.16.1 and 0.19.2, with or without offloading; returns a line to log.
-
-    - ``DistributedOptimizer.state_dict`` asserts that every param's Adam ``step`` is the same, and a
-      fresh optimizer has none: building the load-side state dict of a resume fails before loading.
-      A fresh optimizer now reports step 0 (which the load replaces), as a new torch Adam would.
-    - ``DistributedOptimizer.load_state_dict`` gives every param one shared ``step`` tensor, which
-      torch Adam then advances once per param per step, and the dp_reshardable load copies the
-      pre-load count over the checkpoint's. After a load, each param gets a tensor of its own holding
-      the checkpoint's count, as in a run that never stopped.
-    Wraps the instances (no source is patched); with TransformerEngine or apex nothing is done.
-    """
-    from megatron.core.optimizer import distrib_optimizer
-
-    have_fused_adam = getattr(distrib_optimizer, "HAVE_APEX_OR_TE", None)
-    if have_fused_adam is None:  # a megatron-core laid out differently: say so now, not at the first load
-        return (
-            f"megatron-offload: megatron-core {version('megatron-core')} is not laid out as 0.16-0.19 "
-            "(no distrib_optimizer.HAVE_APEX_OR_TE): the torch-Adam resume workaround is not applied"
-        )
-    if have_fused_adam:
-        return None  # FusedAdam keeps its step in the param groups: neither bug applies
-    for dist_opt in distributed_optimizers(optimizer):
-        if vars(dist_opt).get(_FIXED_ATTR):
-            continue
-        inner = dist_opt.optimizer
-        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
-            continue
-        dist_opt.state_dict = _reports_step_when_fresh(dist_opt.state_dict, inner)
-        dist_opt.load_state_dict = _own_steps_after_load(dist_opt.load_state_dict, inner)
-        setattr(dist_opt, _FIXED_ATTR, True)
-    return (
-        f"megatron-offload: torch Adam without TransformerEngine or apex (megatron-core {version('megatron-core')}): "
-        "checkpoint resume fixed for a fresh optimizer's state_dict and for per-param Adam steps"
-    )
-
-
-def _reports_step_when_fresh(state_dict: Callable[..., Any], inner: torch.optim.Optimizer) -> Callable[..., Any]:
-    def state_dict_with_step(*args: Any, **kwargs: Any) -> Any:
-        params = [param for group in inner.param_groups for param in group["params"]]
-        if any("step" in inner.state.get(param, {}) for param in params):
-            return state_dict(*args, **kwargs)  # trained: megatron-core's own code is right
-        for param in params:
-            inner.state[param]["step"] = torch.zeros((), dtype=torch.float32)
-        try:
-            return state_dict(*args, **kwargs)
-        finally:  # the fresh optimizer stays fresh
-            for param in params:
-                del inner.state[param]["step"]
-                if not inner.state[param]:
-                    del inner.state[param]
-
-    return state_dict_with_step
-
-
-def _own_steps_after_load(load_state_dict: Callable[..., Any], inner: torch.optim.Optimizer) -> Callable[..., Any]:
-    def load_then_own_steps(state_dict: dict, *args: Any, **kwargs: Any) -> Any:
-        result = load_state_dict(state_dict, *args, **kwargs)
-        groups = state_dict.get("optimizer", {}).get("param_groups", [])
-        steps = {group["step"] for group in groups if "step" in group}
-        if len(steps) == 1:
-            (step,) = steps
-            for state in inner.state.values():
-                if isinstance(state.get("step"), torch.Tensor):
-                    old = state["step"]
-                    state["step"] = torch.tensor(float(step), dtype=old.dtype, device=old.device)
-        return result
-
-    return load_then_own_steps
-
-
 def _master_weights(dist_opt: Any) -> list[Any]:
     """fp32 masters held outside the Adam state (empty when TE's FusedAdam holds them)."""
     return [t for group in dist_opt.shard_fp32_from_float16_groups for t in group if t is not None]
@@ -273,7 +200,8 @@ class _PrefetchOnFinalize:
         self.handle = handle
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.handle.prefetch()
+        if self.handle.scheduler.learned:  # iteration 1 measures the peaks without state: nothing back early
+            self.handle.prefetch()
         return self.inner(*args, **kwargs)
 
 
@@ -285,38 +213,99 @@ class OffloadHandle:
         self.config = config
         self.offloaders: list[OptimizerStateOffloader] = []
         self.streamed = True  # every DistributedOptimizer runs the streamed step (else: whole state back)
+        self.in_step = False  # True while optimizer.step() runs
+        self.auto_fraction = config.fraction == "auto"
+        self.on_cuda = torch.cuda.is_available()
+        device = torch.cuda.current_device() if self.on_cuda else None
+        self.scheduler = StateScheduler(lambda: memory_limit_bytes(device))
+        self.say: Callable[[str], None] = logger.info  # the Megatron hooks print on the first rank instead
+        self.hook_waits = 0
+        self.step_backlog_bytes = 0
+        self._chosen: int | None = None  # kept bytes `auto` chose last
         self._pacer: PrefetchDuringBackward | None = None
         self._room: RoomForForward | None = None
         self._wrapped: list[tuple[Any, str, Any]] = []  # (object, attribute, what was there before)
 
-    def prefetch(self) -> None:
+    # ------------------------------------------------------------- what the hooks call (pacing.Handle)
+    def prefetch(self, max_bytes: int | None = None, landed_only: bool = False) -> int:
+        """Start bringing state back, up to ``max_bytes`` (default: all); returns the bytes started."""
+        started = 0
         for offloader in self.offloaders:
-            offloader.prefetch()
+            room = None if max_bytes is None else max_bytes - started
+            if room is not None and room <= 0:
+                break
+            started += offloader.prefetch(room, landed_only=landed_only)
+        return started
 
-    def _on_step_start(self) -> None:
-        if self._pacer is not None:
-            self._pacer.on_step_start()
+    def pending_offload_bytes(self) -> int:
+        """GPU bytes still held by offloads under way."""
+        return sum(offloader.pending_offload_bytes for offloader in self.offloaders)
 
-    def wait(self) -> None:
+    def drain_offloads(self, nbytes: int | None = None) -> None:
+        """Block until offloads have freed ``nbytes`` of GPU memory (default: all), oldest first."""
         for offloader in self.offloaders:
-            offloader.wait()
-
-    def pending_out_bytes(self) -> int:
-        """GPU bytes still held by copies out under way."""
-        return sum(offloader.pending_out_bytes for offloader in self.offloaders)
-
-    def drain_out(self, nbytes: int | None = None) -> None:
-        """Block until copies out have freed ``nbytes`` of GPU memory (default: all), oldest first."""
-        for offloader in self.offloaders:
-            freed = offloader.drain_out(nbytes)
+            freed = offloader.drain_offloads(nbytes)
             if nbytes is not None:
                 nbytes -= freed
                 if nbytes <= 0:
                     return
 
+    def kept_bytes(self) -> int:
+        """State kept on the GPU across steps."""
+        return sum(offloader.plan.kept_bytes() for offloader in self.offloaders)
+
+    def evict(self, nbytes: int) -> int:
+        """Offload kept state now (memory ran short in the forward); ``auto`` re-chooses at the next step."""
+        started = 0
+        for offloader in self.offloaders:
+            if started < nbytes:
+                started += offloader.evict(nbytes - started)
+        self._chosen = None
+        return started
+
+    def step_footprint(self) -> int:
+        return max((offloader.step_footprint() for offloader in self.offloaders), default=0)
+
+    def count_hook_wait(self) -> None:
+        self.hook_waits += 1
+
+    def _on_step_start(self) -> None:
+        if self._pacer is not None:
+            self._pacer.on_step_start()
+
+    # ------------------------------------------------------------------------------ the user's
+    def wait(self) -> None:
+        for offloader in self.offloaders:
+            offloader.wait()
+
     def offload(self) -> None:
         for offloader in self.offloaders:
             offloader.offload()
+
+    # ------------------------------------------------------------------------------ scheduling
+    def _before_step(self) -> None:
+        """Gradients are ready, forward and backward done: learn their peaks; ``auto`` chooses what stays."""
+        if not self.on_cuda:
+            return
+        peaks = Peaks(torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
+        grew = self.scheduler.observe_step_start(peaks, on_gpu_at_peak=self.kept_bytes())
+        if self.auto_fraction and (self._chosen is None or grew):
+            state = sum(offloader.plan.host_bytes or offloader.estimated_host_bytes() for offloader in self.offloaders)
+            budget = self.scheduler.kept_budget(state)
+            for offloader in self.offloaders:
+                offloader.set_fraction(1.0 - budget / state if state else 1.0)
+            self._chosen = self.kept_bytes()
+            self.say(self.scheduler.explain(self._chosen, state))
+
+    def _after_step(self) -> None:
+        """The state has left the step: wait until no more is pending than the next forward has room for."""
+        if not self.on_cuda or not self.scheduler.learned:
+            return
+        budget = self.scheduler.backlog_budget(self.kept_bytes())
+        self.step_backlog_bytes = self.pending_offload_bytes()
+        if self.step_backlog_bytes > budget:
+            self.drain_offloads(self.step_backlog_bytes - budget)  # on the host, at the end of the step
+        self.scheduler.observe_step_end(Peaks(torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
 
     def read_stats(self) -> OffloadStats:
         """Totals over every DistributedOptimizer on this rank (the peaks are the device's)."""
@@ -331,6 +320,7 @@ class OffloadHandle:
                     setattr(total, field.name, max(getattr(total, field.name), value))
                 else:
                     setattr(total, field.name, getattr(total, field.name) + value)
+        total.hook_waits, total.step_backlog_bytes = self.hook_waits, self.step_backlog_bytes
         return total
 
     def detach(self) -> None:
@@ -377,7 +367,11 @@ class OffloadHandle:
 
     def _step_wrapper(self, step: Callable[..., Any]) -> Callable[..., Any]:
         def step_with_offload(*args: Any, **kwargs: Any) -> Any:
+            if self.in_step:
+                raise RuntimeError("megatron-offload: optimizer.step() called again from inside a step")
+            self.in_step = True
             try:
+                self._before_step()
                 if not self.streamed:
                     self.prefetch()  # the whole state, before megatron-core assigns the masters' grads
                     return step(*args, **kwargs)
@@ -388,10 +382,12 @@ class OffloadHandle:
             finally:
                 # Successful, skipped or failed: the state leaves in one piece, never half-way.
                 self.offload()
+                self._after_step()
                 self._install_finalize_hooks()
                 for hooks in (self._pacer, self._room):
                     if hooks is not None:
                         hooks.new_iteration()
+                self.in_step = False
 
         return step_with_offload
 
@@ -421,7 +417,7 @@ def attach_offloader(optimizer: Any, config: OffloadConfig | None = None, **over
             masters,
             keep_state_keys=keep,
             chunk_bytes=int(config.chunk_mb * MIB),
-            fraction=config.fraction,
+            fraction=1.0 if handle.auto_fraction else config.fraction,  # `auto`: everything, until measured
             pin_memory=config.pin_memory,
             check_host_memory=config.check_host_memory,
         )
@@ -447,7 +443,7 @@ def attach_offloader(optimizer: Any, config: OffloadConfig | None = None, **over
     # Out before the first forward, and landed: the masters exist already, iteration 1's peak counts
     # too, and iteration 1's forward learns its growth with nothing in flight.
     handle.offload()
-    handle.drain_out()
+    handle.drain_offloads()
     logger.info(
         "megatron-offload attached to %d DistributedOptimizer(s) (megatron-core %s, %s)",
         len(dist_opts),

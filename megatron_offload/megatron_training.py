@@ -30,9 +30,10 @@ from typing import Any
 
 import torch
 
+from megatron_offload.adam_resume import fix_torch_adam_checkpoints
 from megatron_offload.args import add_offload_args, config_from_args, validate_offload_args
 from megatron_offload.gpu_memory import apply_memory_cap, use_expandable_segments_by_default
-from megatron_offload.megatron_adapter import OffloadHandle, attach_offloader, fix_torch_adam_checkpoints
+from megatron_offload.megatron_adapter import OffloadHandle, attach_offloader
 from megatron_offload.report import MemoryReading, format_offload_fields
 
 __all__ = ["MissingMegatronTraining", "attached_handles", "install_training_hooks"]

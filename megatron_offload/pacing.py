@@ -1,7 +1,8 @@
 """Memory-paced hooks of the training loop: when state may come back during backward, and when the
-forward must wait for copies out. Both read the caching allocator's figures from hooks, and learn
-their margins from earlier iterations. They know nothing of Megatron: the adapter hands them the
-model chunks, the handle and how to tell the last micro-batch.
+forward must free memory after all. Both read the caching allocator from hooks (sampled, a few dozen
+readings per iteration), talk to the handle only, and take their limits from its scheduler. They know
+nothing of Megatron: the adapter hands them the model chunks, the handle and how to tell the last
+micro-batch.
 """
 
 from __future__ import annotations
@@ -11,44 +12,52 @@ from typing import Any, Protocol
 
 import torch
 
-from megatron_offload.engine import OptimizerStateOffloader
-from megatron_offload.gpu_memory import memory_limit_bytes
+from megatron_offload.scheduler import MIB, StateScheduler
 
 __all__ = ["PrefetchDuringBackward", "RoomForForward"]
 
-MIB = 1024**2
 # Least room kept free under the level backward started from when bringing state back during
 # backward (see PrefetchDuringBackward for the learned margin).
 PACING_MIN_MARGIN_BYTES = 64 * MIB
-PACING_SAMPLES = 64  # memory readings per backward
-# Least room kept free for what the forward allocates between two of its hooks while copies out drain.
-FORWARD_MIN_MARGIN_BYTES = 256 * MIB
+SAMPLES = 64  # memory readings per backward, and per forward
 
 
 class Handle(Protocol):
     """What the hooks need of an OffloadHandle."""
 
-    offloaders: list[OptimizerStateOffloader]
+    scheduler: StateScheduler
 
-    def pending_out_bytes(self) -> int: ...
+    def prefetch(self, max_bytes: int | None = None, landed_only: bool = False) -> int: ...
 
-    def drain_out(self, nbytes: int | None = None) -> None: ...
+    def pending_offload_bytes(self) -> int: ...
+
+    def drain_offloads(self, nbytes: int | None = None) -> None: ...
+
+    def kept_bytes(self) -> int: ...
+
+    def evict(self, nbytes: int) -> int: ...
+
+    def step_footprint(self) -> int: ...
+
+    def count_hook_wait(self) -> None: ...
 
 
 class PrefetchDuringBackward:
     """Brings state back during the last micro-batch's backward, only into memory that backward has
-    freed, so the peak does not rise. Driven by gradient-ready hooks.
+    freed, so the peak does not rise, and only chunks whose offload has landed, so no hook waits.
+    Driven by gradient-ready hooks.
 
     What is allocated plus what we brought back must stay under the level backward started from (the
-    end of the forward), twice over:
+    end of the forward), three times over:
     - during backward, less a margin for backward's temporaries, which come and go between two hooks
       where no reading sees them. The margin is learned: twice the most memory freed between two
       readings (one layer's saved activations; backward's temporaries were measured at 1.5 times that
       with unfused attention);
     - at the step, where what we brought back is still there when the step makes its own tensors
-      (megatron-core's fp32 copies of bf16 gradients, Adam's temporaries, the streamed step's
-      staging chunks): what the step holds when it starts is learned too, and its extra is bounded.
-    Both are learned over earlier iterations; the first one that samples only learns.
+      (megatron-core's fp32 copies of bf16 gradients, Adam's temporaries, the streamed step's staging
+      chunks): what the step holds when it starts is learned too, and its extra is bounded;
+    - under the limit, in reserved bytes (the scheduler's ``backward_room``).
+    Learned over earlier iterations; the first one that samples only learns.
     NOTE: which backward is the last is counted, not read from DDP's ``is_last_microbatch``: Megatron-LM
     installs ``no_sync`` only with --overlap-grad-reduce, so without it that flag is always set. The
     first iteration counts the backwards (the firings of the param whose gradient comes first).
@@ -58,7 +67,6 @@ class PrefetchDuringBackward:
         self, handle: Handle, model_chunks: Sequence[torch.nn.Module], in_last_microbatch: Callable[[], bool]
     ) -> None:
         self.handle = handle
-        self.model_chunks = list(model_chunks)
         self.in_last_microbatch = in_last_microbatch
         self.level = 0  # highest reading of this backward, without what we brought back
         self.previous: int | None = None  # the last reading, without what we brought back
@@ -67,13 +75,13 @@ class PrefetchDuringBackward:
         self.margin: int | None = None  # None until one backward has been seen
         self.at_step: int | None = None  # most memory held when a step starts, without what we brought
         self.step_started = False
-        self.step_extra = 0  # what the step adds on top (see OptimizerStateOffloader.step_footprint)
+        self.step_extra = 0  # what the step adds on top (OptimizerStateOffloader.step_footprint)
         self.calls = 0
         self.every = 1
         self.first_param: int | None = None  # id of the param whose gradient is ready first in a backward
         self.backwards = 0  # backwards begun in this iteration
         self.backwards_per_iteration: int | None = None
-        params = {id(p): p for chunk in self.model_chunks for p in chunk.parameters() if p.requires_grad}
+        params = {id(p): p for chunk in model_chunks for p in chunk.parameters() if p.requires_grad}
         self.hooks = [param.register_post_accumulate_grad_hook(self.on_grad_ready) for param in params.values()]
         self.on_gpu = torch.cuda.is_available()
 
@@ -82,36 +90,33 @@ class PrefetchDuringBackward:
             self.first_param = id(param)
         if id(param) == self.first_param:
             self.backwards += 1
-        if not self.on_gpu or self.backwards != self.backwards_per_iteration:
-            return
-        if not self.in_last_microbatch():
+        if not self.on_gpu or self.backwards != self.backwards_per_iteration or not self.in_last_microbatch():
             return
         self.calls += 1
         if self.calls % self.every:
             return
-        natural = _allocated_bytes() - self.brought
+        allocated = allocated_bytes()
+        natural = allocated - self.brought
         if self.previous is not None:
             self.largest_drop = max(self.largest_drop, self.previous - natural)
         self.previous = natural
         self.level = max(self.level, natural)
-        if self.margin is None:
+        if self.margin is None or self.at_step is None:
             return
-        if self.at_step is None:
-            return
-        room = min(self.level - self.margin - natural, self.level - self.at_step - self.step_extra) - self.brought
-        for offloader in self.handle.offloaders:
-            if room <= 0:
-                break
-            started = offloader.prefetch(max_bytes=room)
-            room -= started
-            self.brought += started
+        room = min(
+            self.level - self.margin - natural - self.brought,
+            self.level - self.at_step - self.step_extra - self.brought,
+            self.handle.scheduler.backward_room(allocated),
+        )
+        if room > 0:
+            self.brought += self.handle.prefetch(max_bytes=room, landed_only=True)
 
     def on_step_start(self) -> None:
         """Called as the inner optimizer step starts (gradients prepared): learn what the step holds."""
         if self.step_started or not self.on_gpu:
             return
         self.step_started = True
-        held = _allocated_bytes() - self.brought
+        held = allocated_bytes() - self.brought
         self.at_step = held if self.at_step is None else max(self.at_step, held)
 
     def new_iteration(self) -> None:
@@ -119,11 +124,11 @@ class PrefetchDuringBackward:
         if self.backwards_per_iteration is None and self.backwards:
             self.backwards_per_iteration = self.backwards  # the next iteration samples its last backward
         elif self.calls:
-            self.every = max(1, self.calls // PACING_SAMPLES)
+            self.every = max(1, self.calls // SAMPLES)
             self.margin = max(PACING_MIN_MARGIN_BYTES, 2 * self.largest_drop)
         self.calls, self.level, self.previous, self.brought, self.backwards = 0, 0, None, 0, 0
         self.step_started = False
-        self.step_extra = max((offloader.step_footprint() for offloader in self.handle.offloaders), default=0)
+        self.step_extra = self.handle.step_footprint()
 
     def remove(self) -> None:
         for hook in self.hooks:
@@ -132,15 +137,15 @@ class PrefetchDuringBackward:
 
 
 class RoomForForward:
-    """Holds the forward back, on the host, while copies out still hold GPU memory it needs.
+    """Frees memory in the forward, should the scheduler's forecast not hold.
 
-    After the step the state leaves one chunk at a time and each chunk's memory is freed as its copy
-    lands, while the next forward already runs. Where the GPU has room the two simply overlap. Where it
-    has not (a full GPU, or a cap), forward pre-hooks wait for the oldest copies out until what is
-    allocated, plus a margin for what the forward allocates before the next hook, fits under the
-    limit: so the allocator never runs out while our memory is about to be freed. The margin is twice
-    the largest growth between two hooks seen so far; the first iteration, with nothing to drain yet
-    (attach waits for the masters' copy out), learns it.
+    The step returns with no more offloads pending than the next forward leaves room for (the
+    scheduler's backlog budget), so in steady state these hooks only read memory, a few dozen times per
+    forward, and never wait. The first forward (nothing learned, nothing pending) reads at every hook
+    and keeps the profile of what training needs without state: the highest reading so far at each
+    hook. A later reading above the profile means the workload grew (a longer sequence, a bigger
+    micro-batch); if the grown peak would pass the limit, the hook waits for the oldest offloads, then
+    offloads kept state, on the host: slower, never out of memory where offloading everything fits.
     """
 
     def __init__(self, handle: Handle, model_chunks: Sequence[torch.nn.Module]) -> None:
@@ -153,39 +158,49 @@ class RoomForForward:
         }
         self.hooks = [module.register_forward_pre_hook(self.before_forward) for module in modules.values()]
         self.on_gpu = torch.cuda.is_available()
-        self.device = torch.cuda.current_device() if self.on_gpu else None
-        self.learning = True  # until the first step: read at every hook, to learn the growth
-        self.previous: int | None = None  # the last reading, without what copies out still hold
-        self.largest_growth = 0
-        self.limit: int | None = None
+        self.calls = 0
+        self.learning = True  # the first iteration: read at every hook, record the profile
+        self.profile: list[int] = []  # highest natural reading up to each hook of the first iteration
+        self.every = 1
         self.waited = 0  # times a forward waited (for tests and the log)
 
     def before_forward(self, module: torch.nn.Module, args: Any) -> None:
         if not self.on_gpu:
             return
-        pending = self.handle.pending_out_bytes()
-        if not pending and not self.learning:
+        self.calls += 1
+        if not self.learning and self.calls % self.every:
             return
-        natural = _allocated_bytes() - pending
-        if self.previous is not None:
-            self.largest_growth = max(self.largest_growth, natural - self.previous)
-        self.previous = natural
-        if not pending:
+        pending, kept = self.handle.pending_offload_bytes(), self.handle.kept_bytes()
+        natural = allocated_bytes() - pending - kept
+        if self.learning:
+            self.profile.append(max(natural, self.profile[-1] if self.profile else natural))
+            if pending:  # nothing learned yet: let everything land first
+                self._wait(None)
             return
-        if self.limit is None:
-            self.limit = memory_limit_bytes(self.device)
-        margin = max(FORWARD_MIN_MARGIN_BYTES, 2 * self.largest_growth)
-        excess = natural + pending + margin - self.limit
-        if excess > 0 or self.learning:  # nothing learned yet: let everything land first
-            self.waited += 1
-            self.handle.drain_out(None if self.learning else excess)
+        if not (pending or kept) or not self.profile:
+            return
+        grown = max(0, natural - self.profile[min(self.calls, len(self.profile)) - 1])
+        excess = self.handle.scheduler.forward_excess(pending + kept, grown)
+        if excess <= 0:
+            return
+        if pending:
+            self._wait(min(excess, pending))
+            excess -= pending
+        if excess > 0 and kept:
+            self.handle.evict(excess)  # kept state out for good: the scheduler re-chooses after the step
+            self._wait(None)
+
+    def _wait(self, nbytes: int | None) -> None:
+        self.waited += 1
+        self.handle.count_hook_wait()
+        self.handle.drain_offloads(nbytes)
 
     def new_iteration(self) -> None:
-        """Called after every step: the limit is read again, when next needed (other processes may
-        have taken memory meanwhile)."""
-        self.learning = False
-        self.previous = None
-        self.limit = None
+        """Called after every step: from the second iteration on, about SAMPLES readings per forward."""
+        if self.learning and self.calls:
+            self.learning = False
+            self.every = max(1, self.calls // SAMPLES)
+        self.calls = 0
 
     def remove(self) -> None:
         for hook in self.hooks:
@@ -193,9 +208,9 @@ class RoomForForward:
         self.hooks.clear()
 
 
-def _allocated_bytes() -> int:
+def allocated_bytes() -> int:
     """``torch.cuda.memory_allocated()`` without flattening every allocator statistic into a new dict
-    on each call, which the backward hooks would pay many times per iteration."""
+    on each call, which the hooks would pay many times per iteration."""
     stats = getattr(torch._C, "_cuda_memoryStats", None)
     if stats is None:
         return torch.cuda.memory_allocated()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_offload.engine import OffloadStats
+from megatron_offload.stats import OffloadStats
 
 GIB = 1024**3
 

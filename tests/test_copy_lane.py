@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from megatron_offload.copy_lane import CopyJob, CopyLane
+from megatron_offload.engine import LANE_DEPTH
 from tests.test_engine_cpu import many_masters, offloader_for, set_grads
 
 
@@ -148,7 +149,7 @@ def test_a_failed_copy_reaches_whoever_waits_and_the_lane_goes_on() -> None:
     lane.close()
 
 
-def test_the_streamed_step_frees_every_block_and_keeps_one_copy_in_flight() -> None:
+def test_the_streamed_step_frees_every_block_and_keeps_few_copies_in_flight() -> None:
     optimizer, masters = many_masters()
     offloader = offloader_for(optimizer, masters, chunk_bytes=2000)
     offloader.offload()
@@ -159,11 +160,12 @@ def test_the_streamed_step_frees_every_block_and_keeps_one_copy_in_flight() -> N
         with offloader.params_on_device():
             offloader.run_step()
         assert 0 < len(blocks) < len(offloader._chunks)
-        offloader.drain_out()
-        assert offloader.pending_out_bytes == 0
+        offloader.drain_offloads()
+        assert offloader.pending_offload_bytes == 0
         assert all(torch.UntypedStorage._expired(block) for block in blocks)
         for block in blocks:
             torch.UntypedStorage._free_weak_ref(block)
-    assert offloader._out_lane.peak_in_flight == offloader._in_lane.peak_in_flight == 1
+    lanes = (offloader._offload_lane, offloader._prefetch_lane)
+    assert all(1 <= lane.peak_in_flight <= LANE_DEPTH for lane in lanes)
     offloader.restore()
-    assert offloader._out_lane is None  # the lanes' threads are stopped
+    assert offloader._offload_lane is None  # the lanes' threads are stopped

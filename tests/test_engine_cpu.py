@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from megatron_offload import HostMemoryError, OptimizerStateOffloader, host_memory
-from megatron_offload.engine import ALIGN, RestrictedStep
+from megatron_offload.plan import ALIGN
+from megatron_offload.streamed_step import RestrictedStep
 
 
 def adam_with_masters(sizes: tuple[int, ...] = (37, 1000, 5)) -> tuple[torch.optim.AdamW, list[torch.Tensor]]:
@@ -275,10 +276,10 @@ def test_streamed_step_matches_the_plain_step_bit_for_bit(prefetch_bytes: int | 
         with offloader.params_on_device():
             offloader.run_step()
         assert offloader.is_offloaded
-        assert not any(chunk.offloaded is False for chunk in offloader._chunks)
+        assert all(chunk.offloaded is not chunk.kept for chunk in offloader._chunks)  # kept ones stay
     assert len(offloader._chunks) > (3 if fraction == 1.0 else 1)
     if prefetch_bytes == 0:
-        assert offloader.stats.bytes_streamed >= 4 * offloader.stats.host_bytes  # steps 2-5 streamed it all
+        assert offloader.stats.bytes_streamed >= 4 * offloader.stats.offloaded_bytes  # steps 2-5 streamed it all
     offloader.wait()
     assert_same_training_state(reference, offloaded)
 
@@ -303,14 +304,67 @@ def test_fraction_keeps_the_rest_on_the_device() -> None:
     take_step(optimizer, 0)
     offloader = offloader_for(optimizer, masters, chunk_bytes=2000, fraction=0.5)
     offloader.offload()
-    total = offloader.stats.host_bytes + offloader.stats.resident_bytes
-    assert 0.3 * total < offloader.stats.host_bytes < 0.7 * total
-    offloaded_ids = {id(p) for chunk in offloader._chunks for p in chunk.params}
-    kept = [p for p in masters if id(p) not in offloaded_ids]
+    total = offloader.stats.host_bytes  # every byte is planned, so that kept state can leave at once
+    assert 0.3 * total < offloader.stats.offloaded_bytes < 0.7 * total
+    assert offloader.stats.kept_bytes == total - offloader.stats.offloaded_bytes
+    kept = [p for chunk in offloader._chunks if chunk.kept for p in chunk.params]
     assert kept and all(not in_host_slab(offloader, p) for p in kept)
     none = offloader_for(*many_masters(), fraction=0.0)
     none.offload()
-    assert none.stats.host_bytes == 0 and not none.is_offloaded
+    assert none.stats.offloaded_bytes == 0 and not none.is_offloaded
+
+
+def test_a_new_fraction_moves_whole_chunks_and_keeps_values() -> None:
+    reference, _ = many_masters()
+    optimizer, masters = many_masters()
+    offloader = offloader_for(optimizer, masters, chunk_bytes=2000)
+    offloader.offload()
+    for step, fraction in enumerate([1.0, 0.25, 0.25, 0.75, 0.0, 1.0]):
+        offloader.set_fraction(fraction)
+        set_grads(reference, step)
+        reference.step()
+        set_grads(optimizer, step)
+        with offloader.params_on_device():
+            offloader.run_step()
+        kept = [chunk for chunk in offloader._chunks if chunk.kept]
+        assert all(not chunk.offloaded for chunk in kept)  # newly kept chunks came back through the step
+        assert all(chunk.offloaded for chunk in offloader._chunks if not chunk.kept)
+        share = offloader.stats.offloaded_bytes / offloader.stats.host_bytes
+        assert abs(share - fraction) < 0.25, (fraction, share)
+    offloader.wait()
+    assert_same_training_state(reference, optimizer)
+
+
+def test_eviction_offloads_kept_chunks_with_their_values() -> None:
+    optimizer, masters = many_masters()
+    offloader = offloader_for(optimizer, masters, chunk_bytes=2000, fraction=0.0)
+    take_step(optimizer, 0)
+    offloader.offload()
+    before = {id(p): (p.clone(), optimizer.state[p]["exp_avg"].clone()) for p in masters}
+    assert offloader.stats.kept_bytes == offloader.stats.host_bytes and not offloader.is_offloaded
+    started = offloader.evict(1)
+    assert 0 < started < offloader.stats.host_bytes  # the first kept chunk, not all of them
+    offloader.drain_offloads()
+    evicted = [chunk for chunk in offloader._chunks if chunk.offloaded]
+    assert len(evicted) == 1 and not evicted[0].kept
+    assert offloader.stats.kept_bytes == offloader.stats.host_bytes - evicted[0].nbytes
+    offloader.wait()
+    for p in masters:
+        assert torch.equal(p, before[id(p)][0]) and torch.equal(optimizer.state[p]["exp_avg"], before[id(p)][1])
+
+
+def test_a_gradient_on_the_wrong_device_is_refused_before_anything_moves(monkeypatch: pytest.MonkeyPatch) -> None:
+    optimizer, masters = many_masters()
+    offloader = offloader_for(optimizer, masters, chunk_bytes=2000)
+    offloader.offload()
+    set_grads(optimizer, 0)
+    # The grads are on the CPU; pretend the step runs on a GPU (what the probe got wrong).
+    monkeypatch.setattr(offloader, "_device", torch.device("cuda", 0))
+    monkeypatch.setattr(type(offloader), "_on_cuda", property(lambda self: True))
+    chunks_before = [chunk.offloaded for chunk in offloader._chunks]
+    with pytest.raises(ValueError, match=r"gradient is on cpu but its optimizer step runs on cuda:0"):
+        offloader.run_step()
+    assert [chunk.offloaded for chunk in offloader._chunks] == chunks_before
 
 
 def test_a_chunk_that_came_back_unused_is_dropped_not_copied() -> None:

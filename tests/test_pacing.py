@@ -1,6 +1,7 @@
-"""The forward's wait for copies out, without a GPU: allocator readings and the memory limit are the
-test's, the copies out a ledger the hook drains. What it proves: the forward waits only when what is
-allocated, plus the learned margin, would pass the limit; it waits for just enough; it learns first."""
+"""The forward's hooks without a GPU: allocator readings and the memory limit are the test's, the
+offloads a ledger the hooks drain. What it proves: the first forward records the profile and lets
+everything land; a later forward as forecast never waits; one that grew waits for just what it needs,
+then offloads kept state; readings are sampled once the profile is known."""
 
 from __future__ import annotations
 
@@ -8,83 +9,119 @@ import pytest
 import torch
 
 from megatron_offload import pacing
-
-MIB = 1024**2
-GIB = 1024**3
+from megatron_offload.scheduler import GIB, MIB, Peaks, StateScheduler
 
 
 class Ledger:
-    """Stands in for OffloadHandle: copies out holding ``pending`` bytes, freed oldest first in pieces."""
+    """Stands in for OffloadHandle: offloads holding ``pieces`` bytes, freed oldest first; kept state."""
 
-    def __init__(self, pieces: list[int]) -> None:
-        self.offloaders: list = []
-        self.pieces = list(pieces)
+    def __init__(self, limit: int) -> None:
+        self.scheduler = StateScheduler(lambda: limit)
+        self.pieces: list[int] = []
+        self.kept = 0
         self.drained: list[int | None] = []
+        self.evicted: list[int] = []
+        self.waits = 0
 
-    def pending_out_bytes(self) -> int:
+    def pending_offload_bytes(self) -> int:
         return sum(self.pieces)
 
-    def drain_out(self, nbytes: int | None = None) -> None:
+    def drain_offloads(self, nbytes: int | None = None) -> None:
         self.drained.append(nbytes)
         freed = 0
         while self.pieces and (nbytes is None or freed < nbytes):
             freed += self.pieces.pop(0)
 
+    def kept_bytes(self) -> int:
+        return self.kept
+
+    def evict(self, nbytes: int) -> int:
+        self.evicted.append(nbytes)
+        moved, self.kept = self.kept, 0
+        self.pieces.append(moved)
+        return moved
+
+    def count_hook_wait(self) -> None:
+        self.waits += 1
+
 
 @pytest.fixture
 def room(monkeypatch: pytest.MonkeyPatch):
-    """A RoomForForward over a two-layer model, on a GPU of 10 GiB whose allocator reads ``allocated``."""
+    """A RoomForForward over a four-layer model on a GPU capped at 10 GiB; ``allocated`` is the reading."""
     allocated = {"bytes": 0}
-    monkeypatch.setattr(pacing, "_allocated_bytes", lambda: allocated["bytes"])
-    monkeypatch.setattr(pacing, "memory_limit_bytes", lambda device: 10 * GIB)
-    ledger = Ledger([])
-    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    monkeypatch.setattr(pacing, "allocated_bytes", lambda: allocated["bytes"])
+    ledger = Ledger(10 * GIB)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(4)])
     hooks = pacing.RoomForForward(ledger, [model])
     hooks.on_gpu = True  # the readings come from the test, not from CUDA
     return hooks, ledger, allocated, model
 
 
 def forward(model: torch.nn.Module, allocated: dict, readings: list[int]) -> None:
-    """Run the model's two pre-hooks with the allocator reading ``readings[i]`` at hook i."""
+    """Run the model's pre-hooks with the allocator reading ``readings[i]`` at hook i."""
     for layer, reading in zip(model, readings, strict=True):
         allocated["bytes"] = reading
         layer(torch.zeros(1, 2))
 
 
+PROFILE = [2 * GIB, 4 * GIB, 6 * GIB, 7 * GIB]  # what the forward needs without state
+
+
+def learn(hooks, ledger, allocated, model) -> None:
+    """Iteration 1: the profile, then the step's reading of the natural peak (8 GiB reserved)."""
+    forward(model, allocated, PROFILE)
+    ledger.scheduler.observe_step_start(Peaks(8 * GIB, 8 * GIB), on_gpu_at_peak=0)
+    hooks.new_iteration()
+
+
 def test_one_hook_for_each_module_with_parameters_of_its_own(room) -> None:
     hooks, *_ = room
-    assert len(hooks.hooks) == 2  # the two Linear layers, not the Sequential around them
+    assert len(hooks.hooks) == 4  # the Linear layers, not the Sequential around them
 
 
-def test_the_first_forward_learns_and_a_later_one_waits_only_for_what_it_needs(room) -> None:
+def test_the_first_forward_records_the_profile_and_lets_everything_land(room) -> None:
     hooks, ledger, allocated, model = room
-    forward(model, allocated, [2 * GIB, 3 * GIB])  # iteration 1, nothing in flight: growth 1 GiB
-    assert hooks.largest_growth == GIB and ledger.drained == []
-    hooks.new_iteration()
-    ledger.pieces = [512 * MIB] * 8  # 4 GiB of state leaving after the step, counted in `allocated`
-    # Hook 1: 3 GiB of the forward's own + 4 GiB in flight + a 2 GiB margin = 9 GiB, under the limit.
-    # Hook 2: the forward grew by 2 GiB (the margin becomes 4 GiB): 5 + 4 + 4 = 13 GiB, 3 GiB too much,
-    # so the hook waits for 3 GiB of copies out to land, and no more.
-    forward(model, allocated, [7 * GIB, 9 * GIB])
-    assert hooks.largest_growth == 2 * GIB
-    assert ledger.drained == [3 * GIB] and ledger.pending_out_bytes() == GIB
+    ledger.pieces = [256 * MIB] * 2
+    forward(model, allocated, [p + 512 * MIB for p in PROFILE])
+    assert ledger.drained == [None] and ledger.waits == 1
+    assert hooks.profile == [PROFILE[0], PROFILE[1] + 512 * MIB, PROFILE[2] + 512 * MIB, PROFILE[3] + 512 * MIB]
 
 
-def test_with_nothing_learned_the_forward_waits_for_every_copy(room) -> None:
+def test_a_forward_as_forecast_never_waits(room) -> None:
     hooks, ledger, allocated, model = room
-    ledger.pieces = [MIB]  # still in flight before anything was learned (attach drains, so: rare)
-    forward(model, allocated, [GIB, GIB])
-    assert ledger.drained == [None] and hooks.waited == 1
+    learn(hooks, ledger, allocated, model)
+    backlog = ledger.scheduler.backlog_budget(0)  # what the step is allowed to leave
+    assert backlog > 0
+    ledger.pieces = [backlog]
+    forward(model, allocated, [p + backlog for p in PROFILE])
+    assert ledger.drained == [] and ledger.waits == 0
 
 
-def test_no_reading_at_all_once_learned_and_nothing_is_in_flight(room, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_forward_that_grew_waits_for_just_what_it_needs_then_evicts(room) -> None:
     hooks, ledger, allocated, model = room
-    hooks.new_iteration()
+    learn(hooks, ledger, allocated, model)
+    ledger.pieces = [128 * MIB] * 8  # 1 GiB pending
+    ledger.kept = GIB  # 2 GiB of state on the GPU: the 8 GiB peak plus both just reaches the limit
+    grown = 512 * MIB  # so a forward 0.5 GiB larger than the first must free 0.5 GiB
+    readings = [PROFILE[0] + 2 * GIB, PROFILE[1] + 2 * GIB + grown, *PROFILE[2:]]
+    for layer, reading in zip(model[:2], readings[:2], strict=True):
+        allocated["bytes"] = reading
+        layer(torch.zeros(1, 2))
+    assert ledger.drained == [512 * MIB]  # the oldest offloads, only as many as the excess
+    assert ledger.evicted == []
+    grown_more = 1536 * MIB  # 1 GiB over: more than the 0.5 GiB still pending, so kept state must go
+    allocated["bytes"] = PROFILE[2] + sum(ledger.pieces) + ledger.kept + grown_more
+    model[2](torch.zeros(1, 2))
+    assert ledger.evicted and ledger.kept == 0 and ledger.drained[-1] is None
 
-    def no_reading() -> int:
-        raise AssertionError("the allocator was read although no copy out is in flight")
 
-    monkeypatch.setattr(pacing, "_allocated_bytes", no_reading)
-    forward(model, allocated, [GIB, GIB])
-    hooks.remove()
-    assert not hooks.hooks
+def test_readings_are_sampled_once_the_profile_is_known(room, monkeypatch: pytest.MonkeyPatch) -> None:
+    hooks, ledger, allocated, model = room
+    monkeypatch.setattr(pacing, "SAMPLES", 2)
+    learn(hooks, ledger, allocated, model)
+    assert hooks.every == 2
+    reads = []
+    monkeypatch.setattr(pacing, "allocated_bytes", lambda: reads.append(1) or PROFILE[0])
+    ledger.kept = GIB
+    forward(model, allocated, PROFILE)
+    assert len(reads) == 2  # every second hook

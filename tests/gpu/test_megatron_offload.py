@@ -128,7 +128,7 @@ def test_partial_offload_keeps_parity(reference, fraction: float) -> None:
     handle = attach_offloader(training.optimizer, fraction=fraction, chunk_mb=0.25)
     results = train(training, STEPS, skip_at=SKIPPED_ITERATION)
     stats = handle.read_stats()
-    total = stats.host_bytes + stats.resident_bytes
+    total = stats.host_bytes + stats.kept_bytes
     assert abs(stats.host_bytes - fraction * total) <= 0.1 * total
     handle.wait()
     assert results == expected_results
@@ -212,8 +212,8 @@ def test_allocated_memory_drops_by_the_offloaded_bytes() -> None:
     torch.cuda.synchronize()
     resident = torch.cuda.memory_allocated()
     handle.offload()
-    assert handle.pending_out_bytes() > 0  # freed as each copy lands, not before
-    handle.drain_out()
+    assert handle.pending_offload_bytes() > 0  # freed as each copy lands, not before
+    handle.drain_offloads()
     offloaded = torch.cuda.memory_allocated()
     stats = handle.read_stats()
     assert stats.gpu_bytes_freed == expected_bytes == stats.host_bytes
@@ -234,7 +234,7 @@ def test_many_cycles_leak_neither_gpu_nor_pinned_memory() -> None:
         handle.wait()
         handle.offload()
         if cycle in (9, 199):
-            handle.drain_out()  # every copy out landed and its memory freed
+            handle.drain_offloads()  # every copy out landed and its memory freed
             readings.append((torch.cuda.memory_allocated(), pinned_by_torch(), handle.read_stats().host_bytes))
             rss.append(psutil.Process().memory_info().rss)
     assert readings[0] == readings[1]

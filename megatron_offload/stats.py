@@ -1,17 +1,58 @@
-"""Copy and wait times of the offloader, read from CUDA events once they have completed, never by a sync.
+"""What the offloader measured: running totals, and the CUDA-event timings that fill them.
 
-Events are added by the copy lanes' threads and by the main thread, and read by the main thread.
+Copy and wait times are read from CUDA events once they have completed, never by a sync. Events are
+added by the copy lanes' threads and by the main thread, and read by the main thread.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+__all__ = ["OffloadStats", "Timing", "Timings"]
+
 KINDS = ("offload", "prefetch", "exposed")
+
+
+@dataclass
+class OffloadStats:
+    """Running totals. ``last_*`` figures are those of the latest step whose copies have all completed."""
+
+    offloads: int = 0
+    prefetches: int = 0
+    bytes_offloaded: int = 0
+    bytes_prefetched: int = 0
+    bytes_streamed: int = 0
+    """Bytes that came back through the streamed step rather than ahead of it."""
+    offload_seconds: float = 0.0
+    prefetch_seconds: float = 0.0
+    exposed_seconds: float = 0.0
+    """Time the compute stream stood waiting for a prefetch: the copy time not hidden behind compute."""
+    last_offload_seconds: float = 0.0
+    last_prefetch_seconds: float = 0.0
+    last_exposed_seconds: float = 0.0
+    gpu_bytes_freed: int = 0
+    """Bytes of device memory released by the latest offload (0 while the state is on the GPU)."""
+    host_bytes: int = 0
+    """Size of the planned state in the host slab: every byte that may be offloaded."""
+    kept_bytes: int = 0
+    """State kept on the GPU across steps (``fraction`` below 1, or what ``auto`` chose)."""
+    pinned: bool = True
+    hook_waits: int = 0
+    """Times a forward or backward hook stood waiting on the host for copies (0 in steady state)."""
+    step_backlog_bytes: int = 0
+    """Offload copies still pending when the latest step returned (bounded by the scheduler)."""
+    peak_allocated_bytes: int = 0
+    """The device's peak allocated memory since its last reset (``torch.cuda.max_memory_allocated``)."""
+    peak_reserved_bytes: int = 0
+    """The device's peak reserved memory: what the GPU really had to hold (``max_memory_reserved``)."""
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """State that leaves the GPU between steps."""
+        return self.host_bytes - self.kept_bytes
 
 
 @dataclass
@@ -49,7 +90,7 @@ class Timings:
             self._pending.append(timing)
         return timing
 
-    def harvest(self, stats: Any) -> None:
+    def harvest(self, stats: OffloadStats) -> None:
         """Add up the timings whose events have completed; keep the rest for a later call."""
         with self._lock:
             timings, self._pending = self._pending, []
