@@ -17,7 +17,12 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["apply_memory_cap", "memory_limit_bytes", "use_expandable_segments_by_default"]
+__all__ = [
+    "apply_memory_cap",
+    "expandable_segments_from_now",
+    "memory_limit_bytes",
+    "use_expandable_segments_by_default",
+]
 
 GIB = 1024**3
 ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
@@ -36,6 +41,27 @@ def use_expandable_segments_by_default(environ: dict[str, str] | None = None) ->
     return (
         f"megatron-offload: PYTORCH_CUDA_ALLOC_CONF was not set; using {EXPANDABLE_SEGMENTS} so that state "
         "moving in and out does not fragment GPU memory. Set PYTORCH_CUDA_ALLOC_CONF yourself to choose otherwise."
+    )
+
+
+def expandable_segments_from_now(environ: dict[str, str] | None = None) -> str | None:
+    """After CUDA started (the library API, where no launcher set the variable first): turn expandable
+    segments on for every segment the allocator makes from now on, which is where activations and state
+    come and go. Returns the line to log, or None when the user's setting stands."""
+    environ = os.environ if environ is None else environ
+    if any(environ.get(name) for name in ALLOCATOR_VARIABLES) or not torch.cuda.is_available():
+        return None
+    try:
+        torch.cuda.memory._set_allocator_settings(EXPANDABLE_SEGMENTS)
+    except (AttributeError, RuntimeError) as error:  # an older torch, or a build without them
+        return (
+            f"megatron-offload: could not turn on {EXPANDABLE_SEGMENTS} at run time ({error}); state moving in "
+            f"and out may fragment GPU memory: set PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE_SEGMENTS} before CUDA starts"
+        )
+    environ["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE_SEGMENTS  # said once; child processes inherit it
+    return (
+        f"megatron-offload: PYTORCH_CUDA_ALLOC_CONF was not set; {EXPANDABLE_SEGMENTS} from now on, so that "
+        "state moving in and out does not fragment GPU memory. Set PYTORCH_CUDA_ALLOC_CONF to choose otherwise."
     )
 
 

@@ -34,7 +34,7 @@ from packaging.version import Version
 
 from megatron_offload.config import OffloadConfig, PrefetchPolicy
 from megatron_offload.engine import OptimizerStateOffloader
-from megatron_offload.gpu_memory import memory_limit_bytes
+from megatron_offload.gpu_memory import expandable_segments_from_now, memory_limit_bytes
 from megatron_offload.pacing import PrefetchDuringBackward, RoomForForward
 from megatron_offload.scheduler import MIB, Peaks, StateScheduler
 from megatron_offload.stats import OffloadStats
@@ -408,6 +408,9 @@ def attach_offloader(optimizer: Any, config: OffloadConfig | None = None, **over
         _check_compatible(dist_opt)
 
     handle = OffloadHandle(optimizer, config)
+    allocator_note = expandable_segments_from_now()
+    if allocator_note:
+        logger.warning(allocator_note)
     handle.streamed = all(_streamed_step_supported(dist_opt) for dist_opt in dist_opts)
     for dist_opt in dist_opts:
         masters = _master_weights(dist_opt) if config.offload_master_weights else []

@@ -48,6 +48,17 @@ def test_no_offload_fails_under_the_cap_and_every_policy_fits() -> None:
         assert run["peak_reserved"] <= result["cap"], (policy, run, result["cap"])
 
 
+def test_fraction_auto_keeps_what_fits_under_a_tighter_cap() -> None:
+    result = run_conditions("fraction")
+    # The cap takes half the state away from the no-offload peak: that run must fail, `auto` must keep
+    # some of the state on the GPU (not all: it would not fit), fit, and match bit for bit.
+    assert result["no_offload_under_cap"].startswith("out of memory"), result
+    assert_every_policy_matches(result)
+    run = result["runs"]["fraction auto"]
+    assert 0 < run["kept_bytes"] < run["host_bytes"], run
+    assert run["peak_reserved"] <= result["cap"], (run, result["cap"])
+
+
 def test_one_hardware_queue_keeps_parity() -> None:
     result = run_conditions("parity", CUDA_DEVICE_MAX_CONNECTIONS="1")
     assert_every_policy_matches(result)
