@@ -136,7 +136,7 @@ def test_refusals_say_what_and_what_to_do_and_move_nothing(monkeypatch: pytest.M
 
     with pytest.raises(SleepError, match="wake\\(\\) follows a sleep"):
         sleeper.wake()
-    with pytest.raises(SleepError, match="cannot sleep in the middle of optimizer.step\\(\\): call sleep\\(\\) between"):
+    with pytest.raises(SleepError, match=r"cannot sleep in the middle of optimizer.step\(\): call sleep\(\) between"):
         sleeper.sleep()
     reason.clear()
     with pytest.raises(SleepError, match="cannot sleep \\['kv_cache'\\]: choose among optimizer, grads, params"):
