@@ -98,9 +98,9 @@ class MegatronSleeper:
             pin_memory=pin_memory,
         )
         self._stepping = False
-        self._forward_guards: list[Any] = []
-        step = optimizer.step
-        optimizer.step = self._guarded(step)
+        self._guards: list[Any] = []  # removed at wake: forward hooks, instance attributes
+        self._step_before = vars(optimizer).get("step")  # an attached handle's wrapper, or None
+        optimizer.step = self._guarded(optimizer.step)
 
     def _busy(self) -> str | None:
         if self._stepping or getattr(self.handle, "in_step", False):
@@ -130,8 +130,13 @@ class MegatronSleeper:
             raise SleepError("params=True needs DDP param buffers: build with the distributed optimizer")
         parts = [name for name, wanted in ((OPTIMIZER, optimizer), (GRADS, grads), (PARAMS, params)) if wanted]
         report = self.sleeper.sleep(parts)
-        if params:  # a forward on freed params would read freed memory: say what to do instead
-            self._forward_guards = [c.register_forward_pre_hook(_refuse_forward) for c in self.model_chunks]
+        # Code that would touch freed memory fails with a sentence instead of a device fault.
+        if params:
+            self._guards += [c.register_forward_pre_hook(_refuse_forward) for c in self.model_chunks]
+        if grads or params:
+            for chunk in self.model_chunks:  # the first thing a training step does (writes the grad buffer)
+                chunk.zero_grad_buffer = _refuse_zero_grad
+                self._guards.append(_Unset(chunk, "zero_grad_buffer"))
         logger.info(
             "megatron-offload: asleep (%s): %.2f GiB to host in %.3f s",
             ", ".join(parts),
@@ -143,9 +148,9 @@ class MegatronSleeper:
     def wake(self) -> SleepReport:
         """Bring back everything the last sleep moved, bitwise; the next step can run at once."""
         report = self.sleeper.wake()
-        for guard in self._forward_guards:
+        for guard in self._guards:
             guard.remove()
-        self._forward_guards = []
+        self._guards = []
         logger.info("megatron-offload: awake: %.2f GiB back in %.3f s", report.nbytes / 2**30, report.seconds)
         return report
 
@@ -154,13 +159,29 @@ class MegatronSleeper:
         if self.is_asleep:
             self.wake()
         self.sleeper.close()
-        if vars(self.optimizer).get("step") is not None:
-            vars(self.optimizer).pop("step")
+        if self._step_before is not None:
+            self.optimizer.step = self._step_before
+        else:
+            vars(self.optimizer).pop("step", None)
         vars(self.optimizer).pop(_SLEEPER_ATTR, None)
 
 
 def _refuse_forward(module: torch.nn.Module, args: Any) -> None:
     raise SleepError("the model's parameters are asleep: call wake() before running the training model")
+
+
+def _refuse_zero_grad(*args: Any, **kwargs: Any) -> None:
+    raise SleepError("the gradient buffers are asleep: call wake() before the next training step")
+
+
+class _Unset:
+    """Removes an instance attribute we set, uncovering the class's method again."""
+
+    def __init__(self, obj: Any, name: str) -> None:
+        self.obj, self.name = obj, name
+
+    def remove(self) -> None:
+        vars(self.obj).pop(self.name, None)
 
 
 def sleep_wake_for(

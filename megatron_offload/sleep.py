@@ -229,6 +229,9 @@ class Sleeper:
         """Move ``parts`` to pinned host memory and give their device memory back to the device."""
         parts = tuple(dict.fromkeys(parts))
         self._check(parts)
+        if torch.cuda.is_available():
+            # Cached blocks freed earlier (activations) would otherwise count as what this sleep gave back.
+            torch.cuda.empty_cache()
         report = SleepReport("sleep", device_free_before=_device_free())
         start = time.perf_counter()
         if self.OPTIMIZER in parts:

@@ -103,9 +103,13 @@ def test_a_chained_optimizer_sleeps_every_part_and_wakes_bitwise() -> None:
     with pytest.raises(SleepError, match=r"optimizer.step\(\) while optimizer, grads, params sleep: call wake\(\)"):
         optimizer.step()
 
+    with pytest.raises(SleepError, match=r"gradient buffers are asleep: call wake\(\) before the next training step"):
+        chunks[1].zero_grad_buffer()  # what a training step does first; would write freed memory
+
     sleeper.wake()
     for a, b in zip(snapshot(optimizer, chunks), before, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
+    assert "zero_grad_buffer" not in vars(chunks[1])  # DDP's own method again
     assert chunks[0](torch.ones(2, 8, dtype=torch.bfloat16)).shape == (2, 4)  # the guard is gone
 
 
@@ -173,3 +177,17 @@ def test_close_unwraps_the_step_and_the_next_sleeper_is_new() -> None:
     sleeper.close()
     assert "step" not in vars(optimizer) and not sleeper.is_asleep
     assert sleep_wake_for(optimizer) is not sleeper
+
+
+def test_close_puts_back_a_step_wrapper_that_was_there_before() -> None:
+    optimizer, _ = build()
+    calls: list[str] = []
+
+    def wrapped_step() -> None:  # as an attached OffloadHandle wraps the instance's step
+        calls.append("step")
+
+    optimizer.step = wrapped_step
+    sleeper = sleep_wake_for(optimizer)
+    optimizer.step()
+    sleeper.close()
+    assert optimizer.step is wrapped_step and calls == ["step"]
