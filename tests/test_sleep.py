@@ -168,3 +168,13 @@ def test_close_gives_the_state_storage_of_its_own_and_frees_the_slabs() -> None:
     for master in setup.masters:
         assert master.untyped_storage().nbytes() == master.numel() * 4  # not a view into a chunk block
     assert_equal(setup.snapshot(), before)
+
+
+def test_a_buffer_freed_by_someone_else_is_refused_before_anything_moves() -> None:
+    setup = Setup()
+    take_step(setup.optimizer, 0)
+    sleeper = setup.sleeper()
+    setup.grads.untyped_storage().resize_(0)  # as megatron-core's offload_grad_buffers() leaves it
+    with pytest.raises(SleepError, match="cannot sleep grads: a buffer was freed or resized by someone else"):
+        sleeper.sleep(["optimizer", "grads"])
+    assert not sleeper.is_asleep and not sleeper.offloaders[0].is_offloaded
