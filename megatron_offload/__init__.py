@@ -9,6 +9,8 @@ from megatron_offload.config import OffloadConfig, PrefetchPolicy
 from megatron_offload.engine import OptimizerStateOffloader
 from megatron_offload.host_memory import HostMemoryError
 from megatron_offload.megatron_adapter import CHECKED_MEGATRON_CORE_VERSIONS, OffloadHandle, attach_offloader
+from megatron_offload.megatron_sleep import MegatronSleeper, install_rl_sleep_hooks, sleep_wake_for
+from megatron_offload.sleep import SleepError, SleepReport
 from megatron_offload.stats import OffloadStats
 
 __version__ = "0.1.0"
@@ -16,13 +18,18 @@ __version__ = "0.1.0"
 __all__ = [
     "CHECKED_MEGATRON_CORE_VERSIONS",
     "HostMemoryError",
+    "MegatronSleeper",
     "OffloadConfig",
     "OffloadHandle",
     "OffloadStats",
     "OptimizerStateOffloader",
     "PrefetchPolicy",
+    "SleepError",
+    "SleepReport",
     "add_offload_args",
     "attach_offloader",
     "config_from_args",
+    "install_rl_sleep_hooks",
+    "sleep_wake_for",
     "validate_offload_args",
 ]

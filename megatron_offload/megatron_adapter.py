@@ -391,6 +391,19 @@ class OffloadHandle:
 
         return step_with_offload
 
+    # ------------------------------------------------------------------ sleep and wake (megatron_sleep.py)
+    def sleep(self, *, optimizer: bool = True, grads: bool = False, params: bool = False) -> Any:
+        """Hand the GPU to another process between steps (an RL rollout); see megatron_sleep.py."""
+        from megatron_offload.megatron_sleep import sleep_wake_for  # it imports this module
+
+        return sleep_wake_for(self.optimizer).sleep(optimizer=optimizer, grads=grads, params=params)
+
+    def wake(self) -> Any:
+        """Bring back, bitwise, what the last ``sleep()`` moved; the next step can run at once."""
+        from megatron_offload.megatron_sleep import sleep_wake_for
+
+        return sleep_wake_for(self.optimizer).wake()
+
 
 def attach_offloader(optimizer: Any, config: OffloadConfig | None = None, **overrides: Any) -> OffloadHandle:
     """Offload the Adam state (and fp32 masters) of ``optimizer`` between steps.

@@ -1,0 +1,124 @@
+"""Sleep, hand the GPU to a stand-in inference engine, wake, train on: bitwise what training without the
+pause gives. A real megatron-core GPT (DDP, distributed optimizer in a ChainedOptimizer, bf16).
+
+The stand-in is another process that takes all the device memory it can get and writes a pattern over
+it: any tensor of ours still pointing at freed memory would read that pattern, and any memory the sleep
+failed to give back is memory the other process could not get.
+    PYTHONPATH=$PWD:$MEGATRON python -m pytest -q tests/gpu/test_sleep.py
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip(
+        "needs a CUDA GPU: these tests train a megatron-core GPT and hand its memory over", allow_module_level=True
+    )
+pytest.importorskip("megatron.core", reason="needs megatron-core installed (scripts/device_check.sh does it)")
+
+from megatron_offload import SleepError, attach_offloader, sleep_wake_for  # noqa: E402
+from megatron_offload.megatron_adapter import distributed_optimizers  # noqa: E402
+from tests.gpu.harness import GPTShape, GPTTraining, build_gpt_training, init_distributed  # noqa: E402
+
+# Big enough that every large tensor has device segments of its own (the caching allocator shares
+# segments between tensors under 10 MiB), so the freed-memory check measures our bytes, not rounding.
+SHAPE = GPTShape(num_layers=2, hidden_size=1024, num_attention_heads=8, ffn_hidden_size=4096, vocab_size=8192)
+STEPS = 6
+PAUSES = (2, 4)  # sleep after these iterations: the second reuses the host slabs of the first
+MIB = 1024**2
+
+# Another process (its own CUDA context and allocator) takes all it can, writes 0xA5 over it, frees it.
+FILL = """
+import sys, torch
+free, _ = torch.cuda.mem_get_info()
+block = torch.empty(free - 256 * 2**20, dtype=torch.uint8, device="cuda")
+block.fill_(0xA5)
+torch.cuda.synchronize()
+print(block.numel())
+"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def distributed() -> None:
+    init_distributed()
+
+
+def snapshot(training: GPTTraining) -> dict[str, torch.Tensor]:
+    """Model params, fp32 masters and every Adam tensor the shape of its param (cloned)."""
+    tensors = {f"model.{n}": p.detach().clone() for n, p in training.model[0].named_parameters()}
+    for index, dist_opt in enumerate(distributed_optimizers(training.optimizer)):
+        for i, master in enumerate(m for group in dist_opt.shard_fp32_from_float16_groups for m in group):
+            tensors[f"opt{index}.master.{i}"] = master.detach().clone()
+        params = [p for group in dist_opt.optimizer.param_groups for p in group["params"]]
+        for i, param in enumerate(params):
+            for key, value in dist_opt.optimizer.state.get(param, {}).items():
+                if isinstance(value, torch.Tensor) and value.shape == param.shape:
+                    tensors[f"opt{index}.{i}.{key}"] = value.detach().clone()
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    training = build_gpt_training(SHAPE)
+    losses = [training.train_step(iteration)[0] for iteration in range(STEPS)]
+    return losses, snapshot(training)
+
+
+def hand_the_gpu_over() -> int:
+    """Run the stand-in inference engine; returns the bytes it took."""
+    done = subprocess.run([sys.executable, "-c", FILL], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, f"the stand-in could not take the freed memory: {done.stderr[-2000:]}"
+    return int(done.stdout.strip())
+
+
+@pytest.mark.parametrize("with_handle", [False, True], ids=["plain", "offload-optimizer-states"])
+def test_train_sleep_fill_wake_train_is_bitwise_training_without_the_pause(
+    reference: tuple[list[float], dict[str, torch.Tensor]], with_handle: bool
+) -> None:
+    expected_losses, expected = reference
+    training = build_gpt_training(SHAPE)
+    handle = attach_offloader(training.optimizer) if with_handle else None
+    sleeper = sleep_wake_for(training.optimizer)
+    losses = []
+    for iteration in range(STEPS):
+        losses.append(training.train_step(iteration)[0])
+        if iteration not in PAUSES:
+            continue
+        torch.cuda.synchronize()
+        report = sleeper.sleep(optimizer=True, grads=True, params=True)
+        rose = report.device_free_after - report.device_free_before
+        assert rose >= 0.95 * report.nbytes, f"free memory rose {rose / MIB:.0f} MiB for {report.nbytes / MIB:.0f} MiB"
+        with pytest.raises(SleepError, match="gradient buffers are asleep"):
+            training.train_step(iteration)  # refused before it touches a freed buffer
+        taken = hand_the_gpu_over()
+        assert taken >= report.device_free_after - 1024 * MIB  # the other process got what we gave back
+        sleeper.wake()
+    assert losses == expected_losses
+    actual = snapshot(training)
+    assert actual.keys() == expected.keys() and any("exp_avg_sq" in key for key in actual)
+    different = [key for key in expected if not torch.equal(expected[key], actual[key])]
+    assert not different, f"{len(different)} tensors differ after the pauses, e.g. {different[:3]}"
+    sleeper.close()
+    if handle is not None:
+        handle.detach()
+
+
+def test_the_optimizer_state_alone_gives_its_bytes_back() -> None:
+    """The RL default (optimizer state and masters only), measured against the state's size."""
+    training = build_gpt_training(SHAPE)
+    training.train_step(0)
+    sleeper = sleep_wake_for(training.optimizer)
+    torch.cuda.synchronize()
+    report = sleeper.sleep()
+    inner = [d.optimizer for d in distributed_optimizers(training.optimizer)]
+    numel = sum(p.numel() for opt in inner for group in opt.param_groups for p in group["params"])
+    assert report.nbytes >= 12 * numel  # fp32 master, exp_avg, exp_avg_sq
+    assert report.device_free_after - report.device_free_before >= 0.95 * report.nbytes
+    sleeper.wake()
+    training.train_step(1)
+    sleeper.close()
