@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import warnings
 import weakref
 from pathlib import Path
@@ -29,31 +30,48 @@ class HostMemoryError(RuntimeError):
 
 
 class HostSlab:
-    """One flat CPU buffer of a single dtype, pinned in place when CUDA allows it."""
+    """One flat CPU buffer of a single dtype, pinned in place when CUDA allows it.
 
-    def __init__(self, numel: int, dtype: torch.dtype, pin: bool) -> None:
-        self.tensor = torch.empty(numel, dtype=dtype)
+    ``on_pin_failure``: "warn" falls back to pageable memory with a warning that says what it costs
+    (measured then); "raise" stops with a ``HostMemoryError`` instead, before training starts."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, pin: bool, on_pin_failure: str = "warn") -> None:
+        if on_pin_failure not in ("warn", "raise"):
+            raise ValueError(f"on_pin_failure must be 'warn' or 'raise', got {on_pin_failure!r}")
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        try:
+            self.tensor = torch.empty(numel, dtype=dtype)
+        except RuntimeError as error:  # the C allocator refused: say how much and what to do
+            raise HostMemoryError(
+                f"megatron-offload: could not allocate {nbytes / GIB:.2f} GiB of host memory for the offloaded "
+                f"optimizer state ({_one_line(error)}); the host ran short. Free host memory, run fewer ranks "
+                "per node, or add --no-offload-master-weights."
+            ) from error
         self.pinned = False
-        nbytes = self.nbytes
-        if pin and nbytes > 0 and torch.cuda.is_available():
-            error = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0))
+        if pin and nbytes > 0 and _cuda_available():
+            error = _pin(self.tensor.data_ptr(), nbytes)
             if error == 0:
                 self.pinned = True
                 # Unregister before the memory goes back to the C allocator, however we are dropped.
                 self._unpin = weakref.finalize(self, _unregister, self.tensor.data_ptr())
             else:
-                warnings.warn(
-                    f"megatron-offload: could not pin {nbytes / GIB:.2f} GiB of host memory "
-                    f"(cudaHostRegister error {error}); using pageable memory instead. Copies to and "
-                    "from pageable memory run at roughly a third of the pinned speed and are not "
-                    "asynchronous, so offloading will add visible time to every step. Raise the "
-                    "locked-memory limit (ulimit -l) or free host memory to get pinned copies.",
-                    stacklevel=3,
-                )
+                self._pin_refused(error, on_pin_failure)
 
     @property
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
+
+    def _pin_refused(self, error: int, on_pin_failure: str) -> None:
+        what = f"could not pin {self.nbytes / GIB:.2f} GiB of host memory (cudaHostRegister error {error})"
+        advice = "Raise the locked-memory limit (ulimit -l) or free host memory to get pinned copies."
+        if on_pin_failure == "raise":
+            raise HostMemoryError(f"megatron-offload: {what}. {advice}")
+        warnings.warn(
+            f"megatron-offload: {what}; using pageable memory instead. {_pageable_cost(self.tensor, self.nbytes)} "
+            f"Pageable copies are staged by the driver and hold the copy thread, so they overlap compute less. "
+            f"{advice}",
+            stacklevel=3,
+        )
 
     def release(self) -> None:
         """Unpin now rather than at garbage collection (the caller has synchronized its copies)."""
@@ -62,10 +80,63 @@ class HostSlab:
             self.pinned = False
 
 
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())[:200]
+
+
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def _pin(data_ptr: int, nbytes: int) -> int:
+    """cudaHostRegister's error code (0: pinned); the pin-refused drills replace this function."""
+    return int(torch.cuda.cudart().cudaHostRegister(data_ptr, nbytes, 0))
+
+
 def _unregister(data_ptr: int) -> None:
     error = int(torch.cuda.cudart().cudaHostUnregister(data_ptr))
     if error != 0:
         logger.warning("cudaHostUnregister failed with error %d", error)
+
+
+def _pageable_cost(slab: torch.Tensor, nbytes: int) -> str:
+    """What moving the slab out and back once per step costs, pageable against pinned, measured on a
+    sample of up to 256 MiB (a fraction of a second, once, and only when pinning was refused)."""
+    sample = min(nbytes, 256 * 2**20)
+    try:
+        pageable = slab.view(-1).view(torch.uint8)[:sample]
+        pinned = torch.empty(sample, dtype=torch.uint8, pin_memory=True)
+        device = torch.empty(sample, dtype=torch.uint8, device="cuda")
+        pageable_rates, pinned_rates = (_copy_gbps(device, host) for host in (pageable, pinned))
+    except RuntimeError as error:  # the estimate is a courtesy: the warning goes out without it
+        return f"(The cost could not be measured: {_one_line(error)}.)"
+    return describe_cost(nbytes, pageable_rates, pinned_rates)
+
+
+def describe_cost(nbytes: int, pageable: tuple[float, float], pinned: tuple[float, float]) -> str:
+    """One sentence: the measured rates (GB/s to host, back) and the copy time per step each gives."""
+
+    def seconds(rates: tuple[float, float]) -> float:
+        return nbytes / 1e9 / rates[0] + nbytes / 1e9 / rates[1]
+
+    return (
+        f"Measured here: {pageable[0]:.1f} GB/s to host and {pageable[1]:.1f} GB/s back (pinned: {pinned[0]:.1f} "
+        f"and {pinned[1]:.1f}), so moving {nbytes / GIB:.2f} GiB out and back each step takes about "
+        f"{seconds(pageable):.2f} s of copying instead of {seconds(pinned):.2f} s."
+    )
+
+
+def _copy_gbps(device: torch.Tensor, host: torch.Tensor) -> tuple[float, float]:
+    """GB/s of one copy device-to-host and one host-to-device, each after a warm-up copy."""
+    rates = []
+    for destination, source in ((host, device), (device, host)):
+        destination.copy_(source)
+        torch.cuda.synchronize()  # a clean start: nothing queued before is timed
+        start = time.perf_counter()
+        destination.copy_(source, non_blocking=True)
+        torch.cuda.synchronize()  # the copy has landed: the time is the transfer's
+        rates.append(source.numel() / 1e9 / max(time.perf_counter() - start, 1e-9))
+    return rates[0], rates[1]
 
 
 def available_host_bytes() -> int:

@@ -10,6 +10,7 @@ has room, so an uncapped peak does not show it).
 
     python scripts/integration.py --gpus 1 --out results/      # every 1-GPU entry
     python scripts/integration.py --only dp2 tp2               # by name, in the table's order
+    python scripts/integration.py --only crash-after-step crash-backward crash-checkpoint --out results/crash
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from memory_report import GIB, MIB, expected_state_bytes  # scripts/ is on sys.path when run as a script
+import crash_entries  # scripts/ is on sys.path when run as a script
+from memory_report import GIB, MIB, expected_state_bytes
 from memory_report import parse_log as parse_megatron_log
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +49,7 @@ class Entry:
     env: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     capped: bool = False  # offload runs under a cap: the baseline's peak less 90% of the state
+    crash: str | None = None  # a crash entry (crash_entries.py): where the killed run is killed
 
 
 def entries(checkpoint_dir: str) -> list[Entry]:
@@ -111,6 +114,8 @@ def entries(checkpoint_dir: str) -> list[Entry]:
             },
             env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"},  # megatron-core asserts it for TP > 1 on Hopper
         ),
+        # Killed with SIGKILL, then resumed in a new process: see crash_entries.py.
+        *(Entry(f"crash-{mode}", 1, {}, crash=mode) for mode in crash_entries.KILL_AT),
     ]
 
 
@@ -216,6 +221,13 @@ def main() -> int:
         if (args.gpus and entry.gpus != args.gpus) or (args.only and entry.name not in args.only):
             continue
         shutil.rmtree(checkpoint_dir, ignore_errors=True)
+        if entry.crash:
+            results, failures, facts = crash_entries.run_entry(entry, run, args.out)
+            summary[entry.name] = {"gpus": entry.gpus, "failures": failures, "runs": results, "crash": facts}
+            (args.out / "integration.json").write_text(json.dumps(summary, indent=1, default=str))
+            table = render_table(summary)
+            (args.out / "table.txt").write_text(table)
+            continue
         results = {}
         for name, argv in entry.runs.items():
             cap = (

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from megatron_offload.copy_lane import CopyJob, CopyLane
+from megatron_offload.copy_lane import CopyJob, CopyLane, CopyLaneError
 from megatron_offload.engine import LANE_DEPTH
 from tests.test_engine_cpu import many_masters, offloader_for, set_grads
 
@@ -139,14 +139,16 @@ def test_a_failed_copy_reaches_whoever_waits_and_the_lane_goes_on() -> None:
     def broken() -> None:
         raise ValueError("device lost")
 
-    failed = lane.submit(CopyJob(broken, 10))
-    with pytest.raises(RuntimeError, match="copy of optimizer state failed: device lost"):
-        failed.synchronize()
+    failed = lane.submit(CopyJob(broken, 10, label="chunk 2 of 5 (10 B), GPU to host"))
+    with pytest.raises(CopyLaneError, match=r"failed: chunk 2 of 5 \(10 B\), GPU to host, .*ValueError: device lost"):
+        failed.synchronize(timeout=5)
     after = lane.submit(recorder.job("b"))
     recorder.gates["b"].open()
-    after.synchronize()
+    after.synchronize(timeout=5)
     assert lane.pending_bytes == 0
-    lane.close()
+    with pytest.raises(CopyLaneError, match="chunk 2 of 5"):
+        lane.check()  # the first failure stays on record for the training thread
+    assert lane.close(timeout=5)
 
 
 def test_the_streamed_step_frees_every_block_and_keeps_few_copies_in_flight() -> None:
