@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from megatron_offload import plan as planning
-from megatron_offload.copy_lane import Completion, CopyJob, CopyLane
+from megatron_offload.copy_lane import Completion, CopyJob, CopyLane, CopyLaneError
 from megatron_offload.host_memory import HostSlab, check_host_room
 from megatron_offload.plan import Chunk, Plan
 from megatron_offload.stats import OffloadStats, Timings
@@ -295,8 +295,9 @@ class OptimizerStateOffloader:
         slab = self._slab.tensor
         for host, offset, size in planning.runs([e for e in chunk.entries if e.in_block and chunk.gpu is not None]):
             copies.append((slab[host : host + size], chunk.gpu[offset : offset + size]))
-        for entry in chunk.entries:
-            if not (entry.in_block and chunk.gpu is not None):  # in storage of its own (made by the optimizer)
+        chunk.own_storage = [not (entry.in_block and chunk.gpu is not None) for entry in chunk.entries]
+        for entry, own in zip(chunk.entries, chunk.own_storage, strict=True):
+            if own:  # in storage of its own (made by the optimizer): kept alive by the job until copied
                 keep.append(entry.tensor.data)
                 copies.append((entry.host, entry.tensor.data))
         if chunk.touched:
@@ -307,7 +308,8 @@ class OptimizerStateOffloader:
             # memory is freed once the prefetch that filled it has landed.
             copies, ready = [], chunk.prefetching
         issue = self._issuer("offload", self._offload_stream, copies) if copies else lambda: None
-        chunk.offloading = lane.submit(CopyJob(issue, chunk.nbytes, ready, keep, urgent))
+        label = f"{chunk.label(len(self._chunks))}, GPU to host"
+        chunk.offloading = lane.submit(CopyJob(issue, chunk.nbytes, ready, keep, urgent, label=label))
         for entry in chunk.entries:
             entry.tensor.data = entry.host  # our reference to the device memory is now only the job's
             entry.in_block = True  # the next prefetch puts it in the chunk's block
@@ -319,9 +321,7 @@ class OptimizerStateOffloader:
         """Hand an offloaded chunk to the prefetch lane, to come back into ``block`` (default: a new block
         from the compute stream's pool) once ``ready`` has completed."""
         _, lane = self._lanes()
-        if chunk.offloading is not None:
-            chunk.offloading.synchronize()  # on the host: its host copy must be whole before it is read
-            chunk.offloading = None
+        self.offload_landed(chunk)  # on the host: its host copy must be whole before it is read
         if block is None:
             block = self.new_block(chunk.nbytes)
             # The allocator may have handed us memory compute work has just freed: the lane waits (on the
@@ -332,9 +332,9 @@ class OptimizerStateOffloader:
             (block[offset : offset + size], slab[host : host + size])
             for host, offset, size in planning.runs(chunk.entries)
         ]
-        chunk.prefetching = lane.submit(
-            CopyJob(self._issuer("prefetch", self._prefetch_stream, copies), 0, ready, urgent=urgent)
-        )
+        issue = self._issuer("prefetch", self._prefetch_stream, copies)
+        label = f"{chunk.label(len(self._chunks))}, host to GPU"
+        chunk.prefetching = lane.submit(CopyJob(issue, 0, ready, urgent=urgent, label=label))
         for entry in chunk.entries:
             entry.tensor.data = planning.view(block, entry.offset, entry.tensor)
         chunk.gpu, chunk.offloaded = block, False
@@ -348,7 +348,15 @@ class OptimizerStateOffloader:
             else:
                 # The copy must be queued before the compute stream can wait for it; it is then ahead of
                 # the wait in every hardware queue, so the wait can always proceed.
-                landed = chunk.prefetching.wait_issued()
+                try:
+                    landed = chunk.prefetching.wait_issued()
+                except CopyLaneError:
+                    # Nothing was ordered after the copy: the host copy is still whole, point back at it.
+                    for entry in chunk.entries:
+                        entry.tensor.data = entry.host
+                    chunk.gpu, chunk.prefetching, chunk.offloaded = None, None, True
+                    self._close_lanes(timeout=10.0)
+                    raise
                 timing = self.timings.add("exposed", self.step_index)
                 timing.record_start(self._compute)
                 self._compute.wait_event(landed)  # on the device: the host goes on queueing the step
@@ -471,8 +479,42 @@ class OptimizerStateOffloader:
         """Block the host until every offload has landed (and freed its GPU memory), so CPU code can read
         offloaded state."""
         for chunk in self._chunks:
-            if chunk.offloaded and chunk.offloading is not None:
-                chunk.offloading.synchronize()
+            if chunk.offloaded:
+                self.offload_landed(chunk)
+
+    def offload_landed(self, chunk: Chunk) -> None:
+        """Block until the chunk's offload has landed. If it failed, its GPU memory was kept (the lane never
+        frees a failed job's memory): the chunk's tensors point at it again, so none points at a host copy
+        that did not arrive, and the error is raised."""
+        job, chunk.offloading = chunk.offloading, None
+        if job is None:
+            return
+        try:
+            job.synchronize()
+        except CopyLaneError:
+            kept = list(job.keep)  # [the chunk's block, if it had one] + own-storage tensors in entry order
+            block = kept.pop(0) if len(kept) > sum(chunk.own_storage) else None
+            own = iter(kept)
+            for entry, in_own in zip(chunk.entries, chunk.own_storage, strict=True):
+                entry.tensor.data = next(own) if in_own else planning.view(block, entry.offset, entry.tensor)
+                entry.in_block = not in_own
+            chunk.gpu, chunk.offloaded, chunk.touched = block, False, True
+            self._close_lanes(timeout=10.0)
+            raise
+
+    def check_lanes(self) -> None:
+        """Raise a lane's first failure now (a failed offload nobody waited for), before anything comes back."""
+        for lane in (self._offload_lane, self._prefetch_lane):
+            if lane is not None:
+                lane.check()
+
+    def _close_lanes(self, timeout: float | None = None) -> None:
+        """Stop the lanes (bounded: a lane stuck on a copy that never completes is left with a message); new
+        ones are made on the next copy."""
+        for lane in (self._offload_lane, self._prefetch_lane):
+            if lane is not None:
+                lane.close(timeout=timeout)
+        self._offload_lane = self._prefetch_lane = None
 
     def restore(self) -> None:
         """Bring everything back to the device for good, each tensor in storage of its own again, and
@@ -484,10 +526,7 @@ class OptimizerStateOffloader:
                     entry.tensor.data = entry.tensor.data.clone()
                 chunk.gpu = None
         self._release_slab()
-        for lane in (self._offload_lane, self._prefetch_lane):
-            if lane is not None:
-                lane.close()
-        self._offload_lane = self._prefetch_lane = None
+        self._close_lanes(timeout=60.0)
 
     def read_stats(self) -> OffloadStats:
         """The totals so far, including every copy that has completed by now (no sync)."""

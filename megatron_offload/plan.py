@@ -52,6 +52,7 @@ class Chunk:
     prefetching: CopyJob | None = None  # copy to the GPU not yet waited for by the compute stream
     touched: bool = False  # the compute stream may have changed it since it came back
     offloading: CopyJob | None = None  # latest copy to host; once done the host copy is whole and may be read
+    own_storage: list[bool] = field(default_factory=list)  # per entry, at the latest offload: not in the block
 
     def label(self, total: int) -> str:
         return f"chunk {self.index + 1} of {total} ({self.nbytes / 1024**2:.1f} MiB, {len(self.params)} params)"

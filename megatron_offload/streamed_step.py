@@ -95,6 +95,7 @@ def run_streamed_step(offloader: OptimizerStateOffloader, after_chunk: AfterChun
     optimizers that update each param from its own state and gradient (Adam, AdamW, SGD), not for those
     that mix params (LAMB's global norm).
     """
+    offloader.check_lanes()
     offloader.check_gradients()
     stepper = RestrictedStep(offloader.optimizer)
     chunks = offloader.plan.chunks

@@ -469,3 +469,33 @@ def test_params_without_an_offloaded_master_get_their_moments_planned(offloaded_
     assert all(in_host_slab(offloader, optimizer.state[p]["exp_avg_sq"]) for p in masters)
     assert [in_host_slab(offloader, p) for p in masters] == [i in range(7)[offloaded_masters] for i in range(7)]
     assert offloader.stats.offloads == (2 if offloaded_masters.stop else 1)
+
+
+def test_a_failed_offload_points_every_tensor_back_at_its_gpu_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_offload.copy_lane import CopyLaneError
+
+    optimizer, masters = many_masters()
+    offloader = offloader_for(optimizer, masters, chunk_bytes=2000)
+    take_step(optimizer, 0)  # the moments exist, each in storage of its own
+    before = {id(t): t.clone() for p in masters for t in (p, *optimizer.state[p].values()) if t.dim()}
+    issuer = offloader._issuer
+
+    def failing(kind: str, stream, copies):
+        issue = issuer(kind, stream, copies)
+        if kind != "offload":
+            return issue
+
+        def broken():
+            raise RuntimeError("injected copy failure")
+
+        return broken
+
+    monkeypatch.setattr(offloader, "_issuer", failing)
+    offloader.offload()
+    with pytest.raises(CopyLaneError, match=r"chunk 1 of \d+ .*GPU to host.*injected copy failure"):
+        offloader.host_copies_ready()
+    failed = offloader._chunks[0]
+    assert not failed.offloaded
+    for entry in failed.entries:
+        assert not in_host_slab(offloader, entry.tensor)  # back at the memory that still holds the values
+        assert torch.equal(entry.tensor, before[id(entry.tensor)])
