@@ -147,6 +147,17 @@ def check_offload_combinations(args: argparse.Namespace) -> None:
             raise ValueError(
                 f"--offload-optimizer-states cannot be combined with {name}: {why}. Remove one of the two."
             )
+    # Megatron turns --use-distributed-optimizer on by itself only with Megatron-FSDP, refused above; it
+    # may turn it off (--freeze-all-layers), which validate_offload_args checks after Megatron's validation.
+    _require_distributed_optimizer(args)
+
+
+def _require_distributed_optimizer(args: argparse.Namespace) -> None:
+    if getattr(args, "offload_optimizer_states", False) and not getattr(args, "use_distributed_optimizer", False):
+        raise ValueError(
+            "--offload-optimizer-states needs --use-distributed-optimizer: it offloads the state of "
+            "megatron-core's DistributedOptimizer. Add --use-distributed-optimizer."
+        )
 
 
 def validate_offload_args(args: argparse.Namespace) -> None:
@@ -157,11 +168,7 @@ def validate_offload_args(args: argparse.Namespace) -> None:
     Megatron's argument validation, so bad values fail before anything is built.
     """
     check_offload_combinations(args)
-    if getattr(args, "offload_optimizer_states", False) and not getattr(args, "use_distributed_optimizer", False):
-        raise ValueError(
-            "--offload-optimizer-states needs --use-distributed-optimizer: it offloads the state of "
-            "megatron-core's DistributedOptimizer. Add --use-distributed-optimizer."
-        )
+    _require_distributed_optimizer(args)  # again: Megatron's validation may have turned it off
 
 
 def ignored_offload_flags(args: argparse.Namespace) -> list[str]:

@@ -291,11 +291,12 @@ def test_the_early_check_refuses_cpu_offload_without_the_precision_aware_optimiz
     assert "pick one" in str(error.value)
 
 
-def test_the_early_check_leaves_megatron_derived_values_to_the_full_validation() -> None:
-    args = megatron_like_args(use_distributed_optimizer=False)
-    check_offload_combinations(args)  # Megatron may still set it; the full validation decides
+def test_the_early_check_asks_for_the_distributed_optimizer_too() -> None:
+    """Megatron turns it on by itself only with Megatron-FSDP, which is refused: the early check can ask."""
     with pytest.raises(ValueError, match="needs --use-distributed-optimizer"):
-        validate_offload_args(args)
+        check_offload_combinations(megatron_like_args(use_distributed_optimizer=False))
+    with pytest.raises(ValueError, match="cannot be combined with --use-megatron-fsdp"):
+        check_offload_combinations(megatron_like_args(use_distributed_optimizer=False, use_megatron_fsdp=True))
 
 
 def test_offload_flags_without_the_switch_are_listed_as_ignored() -> None:
