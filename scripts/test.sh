@@ -21,7 +21,12 @@ if [ ! -e "$stamp" ]; then
     "$python" -m venv "$venv"
   fi
   # torch first, pinned, from the CPU index when reachable: a bare "torch" from PyPI is the CUDA build.
-  say "[2/4] installing torch $torch_version (the CPU build where ${torch_index:-PyPI} has it)"
+  # Probed once: pip would retry an unreachable index for every package.
+  if [ -n "$torch_index" ] && ! "$venv/bin/python" -c 'import sys, urllib.request as u; u.urlopen(sys.argv[1], timeout=10)'       "$torch_index/torch/" 2>/dev/null; then
+    say "$torch_index is not reachable: torch comes from PyPI (on Linux the CUDA build, several GB)"
+    torch_index=
+  fi
+  say "[2/4] installing torch $torch_version (${torch_index:+the CPU build from }${torch_index:-from PyPI or the configured index})"
   "$venv/bin/python" -m pip install "torch==$torch_version" ${torch_index:+--extra-index-url "$torch_index"} \
     || { say "installing torch failed (pip's message is above); run the same command again to retry"; exit 1; }
   say "[3/4] installing this package with megatron-core and the test tools"
