@@ -23,7 +23,7 @@ if [ ! -e "$stamp" ]; then
   # torch first, pinned, from the CPU index when reachable: a bare "torch" from PyPI is the CUDA build.
   # Probed once: pip would retry an unreachable index for every package.
   if [ -n "$torch_index" ] && ! "$venv/bin/python" -c 'import sys, urllib.request as u; u.urlopen(sys.argv[1], timeout=10)'       "$torch_index/torch/" 2>/dev/null; then
-    say "$torch_index is not reachable: torch comes from PyPI (on Linux the CUDA build, several GB)"
+    say "$torch_index is not reachable: torch comes from PyPI or the configured index (PyPI's Linux torch is the CUDA build, several GB)"
     torch_index=
   fi
   say "[2/4] installing torch $torch_version (${torch_index:+the CPU build from }${torch_index:-from PyPI or the configured index})"
