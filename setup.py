@@ -9,12 +9,16 @@ setup(
     long_description=Path("README.md").read_text(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["megatron_offload", "megatron_offload.*"]),
+    # The library API works with megatron-core 0.14-0.16 on Python 3.10 and later; Megatron-LM's training
+    # loop (megatron.training, scripts/train.sh) needs megatron-core >= 0.17, which requires Python >= 3.12.
     python_requires=">=3.10",
-    install_requires=["torch>=2.6", "megatron-core>=0.14", "packaging", "pyyaml"],
+    # Checked against 0.16.1 and 0.19.2; a later megatron-core may lay out its optimizer otherwise.
+    install_requires=["torch>=2.6", "megatron-core>=0.14,<0.20", "packaging", "pyyaml"],
+    # NVIDIA apex is not on PyPI (the PyPI "apex" is an unrelated package): build it from
+    # https://github.com/NVIDIA/apex if wanted; nothing here needs it.
     extras_require={
         "te": ["transformer-engine[pytorch]"],
-        "apex": ["apex"],
-        "test": ["pytest>=8", "ruff", "pyyaml", "matplotlib", "rich"],
+        "test": ["pytest==9.2.0", "ruff==0.17.6", "pyyaml", "matplotlib", "rich"],  # CI runs these two: pinned
         "nightly": ["matplotlib", "rich", "pyyaml"],
     },
 )

@@ -131,7 +131,12 @@ def main() -> int:
     (args.out / "side_by_side.json").write_text(json.dumps(results, indent=1, default=str))
     (args.out / "table.txt").write_text(table(results))
     print("\n" + table(results), end="")
-    return 0
+    # Every run must have run, except the capped no-offload one, which is meant to fail.
+    failed = [n for part in ("runs", "capped") for n, r in results.get(part, {}).items() if "error" in r]
+    failed = [name for name in failed if name != "capped: no offload"]
+    if failed:
+        print(f"megatron_side_by_side: {len(failed)} run(s) failed: {', '.join(failed)}; logs in {args.out}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

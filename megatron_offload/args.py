@@ -7,11 +7,29 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_offload.config import OffloadConfig, PrefetchPolicy
+from megatron_offload.config import AUTO, OffloadConfig, PrefetchPolicy
 
-__all__ = ["add_offload_args", "config_from_args", "validate_offload_args"]
+__all__ = [
+    "add_offload_args",
+    "check_offload_combinations",
+    "config_from_args",
+    "ignored_offload_flags",
+    "offload_fraction",
+    "validate_offload_args",
+]
 
 DEFAULTS = OffloadConfig()  # the flags' defaults are the config's, stated once
+
+
+def offload_fraction(text: str) -> float | str:
+    """argparse type of --offload-fraction: 'auto' or a number (its range is checked with the other
+    values, so that the flag, a --config file and the Python API give the same message)."""
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a number from 0 to 1, got {text!r}") from None
 
 
 def add_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -56,11 +74,13 @@ def add_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     )
     group.add_argument(
         "--offload-fraction",
-        type=float,
+        type=offload_fraction,
         default=DEFAULTS.fraction,
-        metavar="F",
+        metavar="{auto,F}",
         help="Offload this share of the optimizer state (0 to 1, default 1) and keep the rest on the "
-        "GPU: lower it when the job fits with less saving and you want less copying.",
+        "GPU: lower it when the job fits with less saving and you want less copying. 'auto': keep on the "
+        "GPU as much state as the memory limit allows (measured over the first iterations) and offload "
+        "the rest.",
     )
     group.add_argument(
         "--offload-gpu-memory-cap-gib",
@@ -80,17 +100,20 @@ def add_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     return parser
 
 
-def validate_offload_args(args: argparse.Namespace) -> None:
-    """Raise ValueError if --offload-optimizer-states is combined with flags it cannot work with.
+def check_offload_combinations(args: argparse.Namespace) -> None:
+    """Raise ValueError for an offload value out of range (offloading on or off) or a flag that
+    --offload-optimizer-states cannot be combined with.
 
-    Reads Megatron-LM's argument names; a name absent from ``args`` counts as its default. Runs inside
-    Megatron's argument validation, so bad values fail before anything is built.
+    Reads only flags as the user gave them, none that Megatron derives, so it can run before Megatron's
+    own validation: its assertions (such as --optimizer-cpu-offload's) would otherwise send the user the
+    wrong way, and its argument dump would bury the message.
     """
     cap = getattr(args, "offload_gpu_memory_cap_gib", None)
     if cap is not None and not 0 < cap < float("inf"):
         raise ValueError(
             f"--offload-gpu-memory-cap-gib must be a positive number of GiB (the GPU memory to imitate), got {cap}"
         )
+    config_from_args(args)  # every offload value in range, with the messages the Python API gives
     if not getattr(args, "offload_optimizer_states", False):
         return
     if getattr(args, "optimizer_cpu_offload", False):
@@ -100,11 +123,6 @@ def validate_offload_args(args: argparse.Namespace) -> None:
             "to the CPU; --offload-optimizer-states keeps the update on the GPU and only parks the state in "
             "host memory between steps. Both would own the same state: pick one (usually "
             "--offload-optimizer-states, which is much faster) and remove the other."
-        )
-    if not getattr(args, "use_distributed_optimizer", False):
-        raise ValueError(
-            "--offload-optimizer-states needs --use-distributed-optimizer: it offloads the state of "
-            "megatron-core's DistributedOptimizer. Add --use-distributed-optimizer."
         )
     optimizer = getattr(args, "optimizer", "adam")
     if optimizer != "adam":
@@ -129,7 +147,48 @@ def validate_offload_args(args: argparse.Namespace) -> None:
             raise ValueError(
                 f"--offload-optimizer-states cannot be combined with {name}: {why}. Remove one of the two."
             )
-    config_from_args(args)  # every offload value in range, with the messages the Python API gives
+    # Megatron turns --use-distributed-optimizer on by itself only with Megatron-FSDP, refused above; it
+    # may turn it off (--freeze-all-layers), which validate_offload_args checks after Megatron's validation.
+    _require_distributed_optimizer(args)
+
+
+def _require_distributed_optimizer(args: argparse.Namespace) -> None:
+    if getattr(args, "offload_optimizer_states", False) and not getattr(args, "use_distributed_optimizer", False):
+        raise ValueError(
+            "--offload-optimizer-states needs --use-distributed-optimizer: it offloads the state of "
+            "megatron-core's DistributedOptimizer. Add --use-distributed-optimizer."
+        )
+
+
+def validate_offload_args(args: argparse.Namespace) -> None:
+    """Raise ValueError, naming the flags and what to do, if the offload flags are out of range or
+    combined with flags they cannot work with.
+
+    Reads Megatron-LM's argument names; a name absent from ``args`` counts as its default. Runs inside
+    Megatron's argument validation, so bad values fail before anything is built.
+    """
+    check_offload_combinations(args)
+    _require_distributed_optimizer(args)  # again: Megatron's validation may have turned it off
+
+
+def ignored_offload_flags(args: argparse.Namespace) -> list[str]:
+    """The offload flags given a value other than their default while offloading is off: they do
+    nothing then, which the user may not expect (the GPU memory cap works either way)."""
+    if getattr(args, "offload_optimizer_states", False):
+        return []
+    defaults = {
+        "offload_master_weights": DEFAULTS.offload_master_weights,
+        "offload_prefetch": DEFAULTS.prefetch.value,
+        "offload_chunk_mb": DEFAULTS.chunk_mb,
+        "offload_fraction": DEFAULTS.fraction,
+        "offload_host_memory_check": DEFAULTS.check_host_memory,
+    }
+    flags = []
+    for name, default in defaults.items():
+        if getattr(args, name, default) != default:
+            flag = name.replace("_", "-")
+            flags.append(f"--no-{flag}" if default is True else f"--{flag}")
+    return flags
 
 
 def config_from_args(args: argparse.Namespace) -> OffloadConfig:

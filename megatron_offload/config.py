@@ -5,8 +5,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import Enum
+from typing import Literal
 
-__all__ = ["OffloadConfig", "PrefetchPolicy"]
+__all__ = ["AUTO", "OffloadConfig", "PrefetchPolicy"]
+
+AUTO = "auto"
+"""The ``fraction`` that lets the offloader choose how much to keep on the GPU."""
 
 
 class PrefetchPolicy(str, Enum):
@@ -33,8 +37,10 @@ class OffloadConfig:
     chunk_mb: float = 64.0
     """Size of the pieces the state moves in, in MiB: whole parameters, so a parameter larger than
     this makes a chunk of its own. The pipelined step holds three chunks on the GPU."""
-    fraction: float = 1.0
-    """Share of the state to offload (0 to 1, in whole chunks); the rest stays on the GPU."""
+    fraction: float | Literal["auto"] = 1.0
+    """Share of the state to offload (0 to 1, in whole chunks); the rest stays on the GPU. ``"auto"``:
+    keep on the GPU as much as the memory limit allows (measured over the first iterations), offload
+    the rest."""
     pin_memory: bool = True
     """Pin the host buffers (fast, asynchronous copies); off only for tests on machines without CUDA."""
     check_host_memory: bool = True
@@ -54,10 +60,10 @@ class OffloadConfig:
             raise ValueError(
                 f"--offload-chunk-mb must be a positive number of MiB (the default is 64), got {self.chunk_mb!r}"
             )
-        if not _is_number(self.fraction) or not 0.0 <= self.fraction <= 1.0:
+        if self.fraction != AUTO and (not _is_number(self.fraction) or not 0.0 <= self.fraction <= 1.0):
             raise ValueError(
-                "--offload-fraction must be a number from 0 (offload nothing) to 1 (offload all, the default), "
-                f"got {self.fraction!r}"
+                "--offload-fraction must be 'auto' or a number from 0 (offload nothing) to 1 (offload all, "
+                f"the default), got {self.fraction!r}"
             )
         for name in ("offload_master_weights", "pin_memory", "check_host_memory"):
             if not isinstance(getattr(self, name), bool):

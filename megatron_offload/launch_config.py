@@ -2,22 +2,55 @@
 command line's own, so precedence is Megatron's defaults < the YAML file < the command line.
 
 Keys are Megatron flag names (``num_layers`` or ``num-layers``); ``true`` gives the bare flag, ``false``
-gives ``--no-NAME`` (only for flags that have that form), lists give several values. Unknown keys
-are not ignored: Megatron's parser rejects them as unrecognized arguments.
+gives ``--no-NAME`` (``add_switch_inverses`` gives every switch that form), lists give several values,
+other values ``--NAME=VALUE``, so that a value given to a switch is refused naming the switch. Unknown
+keys are not ignored: Megatron's parser rejects them as unrecognized arguments.
+
+``python -m megatron_offload.launch_config ARGS...`` checks a training command line before torchrun
+starts (``scripts/train.sh``): the config file, megatron.training, a CUDA GPU; one line and exit 2 if not.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib.metadata
+import importlib.util
+import sys
 from pathlib import Path
 
 import yaml
 
-__all__ = ["config_flags", "expand_config_argv", "needs_one_connection"]
+__all__ = [
+    "NO_CUDA",
+    "add_switch_inverses",
+    "config_flags",
+    "expand_config_argv",
+    "missing_training_message",
+    "needs_one_connection",
+    "preflight",
+]
+
+NO_CUDA = (
+    "megatron-offload: no CUDA GPU found: Megatron-LM's training loop needs one; "
+    "the tests run without: bash scripts/test.sh"
+)
+
+
+def _load_yaml(path: str | Path) -> object:
+    """The file's data; malformed YAML as one line naming the file, line and column."""
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark or error.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ValueError(f"--config {path}: not valid YAML{where}: {error.problem or error.context}") from None
+    except yaml.YAMLError as error:
+        raise ValueError(f"--config {path}: not valid YAML: {error}") from None
 
 
 def config_flags(path: str | Path) -> list[str]:
     """The command-line flags a YAML config file stands for."""
-    data = yaml.safe_load(Path(path).read_text())
+    data = _load_yaml(path)
     if not isinstance(data, dict):
         raise ValueError(f"--config {path}: expected a mapping of Megatron flag names to values")
     flags: list[str] = []
@@ -25,8 +58,8 @@ def config_flags(path: str | Path) -> list[str]:
         name = str(key).replace("_", "-")
         if value is True:
             flags.append(f"--{name}")
-        elif value is False:
-            flags.append(f"--no-{name}")
+        elif value is False:  # the switch's opposite: no-NAME: false is --NAME
+            flags.append(f"--{name[3:]}" if name.startswith("no-") else f"--no-{name}")
         elif value is None:
             raise ValueError(f"--config {path}: key {key!r} has no value; give one or remove the key")
         elif isinstance(value, list):
@@ -34,7 +67,7 @@ def config_flags(path: str | Path) -> list[str]:
         elif isinstance(value, dict):
             raise ValueError(f"--config {path}: key {key!r} holds a mapping; flags take scalars or lists")
         else:
-            flags += [f"--{name}", str(value)]
+            flags.append(f"--{name}={value}")  # one token: a switch given a value is refused by name
     return flags
 
 
@@ -63,5 +96,75 @@ def needs_one_connection(argv: list[str]) -> bool:
         name, _, inline = flag.partition("=")
         if name in sizes:
             value = inline or (flags[index + 1] if index + 1 < len(flags) else "1")
-            sizes[name] = int(value)
+            sizes[name] = int(value) if value.strip().isdigit() else 1  # Megatron's parser names a bad one
     return any(size > 1 for size in sizes.values())
+
+
+def add_switch_inverses(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Give every on/off switch of ``parser`` its opposite, hidden from --help: ``--no-NAME`` for a
+    ``--NAME`` switch and ``--NAME`` for a ``--no-NAME`` one, so that ``NAME: false`` in a config file
+    (or ``no-NAME: false``) turns the switch off (on) instead of failing as an unrecognized argument."""
+    known = set(parser._option_string_actions)
+    for action in list(parser._actions):
+        if not isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            continue
+        for option in action.option_strings:
+            if not option.startswith("--"):
+                continue
+            name = option[2:]
+            inverse = "--" + (name[3:] if name.startswith("no-") else "no-" + name)
+            if inverse in known:
+                continue
+            store = "store_false" if isinstance(action, argparse._StoreTrueAction) else "store_true"
+            parser.add_argument(inverse, dest=action.dest, action=store, default=action.default, help=argparse.SUPPRESS)
+            known.add(inverse)
+    return parser
+
+
+def missing_training_message() -> str:
+    """Why megatron.training is missing and what to do, in one line: megatron-core >= 0.17, the wheels
+    that ship it, requires Python >= 3.12."""
+    try:
+        installed = f"megatron-core {importlib.metadata.version('megatron-core')}"
+    except importlib.metadata.PackageNotFoundError:
+        installed = "no megatron-core"
+    python = ".".join(map(str, sys.version_info[:3]))
+    if sys.version_info < (3, 12):
+        todo = (
+            f"which requires Python >= 3.12; this is Python {python} with {installed}: make the environment "
+            "with Python 3.12 (PYTHON=python3.12 bash scripts/train.sh)"
+        )
+    else:
+        todo = f"this Python has {installed}: pip install 'megatron-core>=0.17,<0.20'"
+    return (
+        "Megatron-LM's training loop (megatron.training) is not installed: megatron-core wheels ship it from "
+        f"0.17 on (checked: 0.19.2), {todo}; or use the library API megatron_offload.attach_offloader(optimizer) "
+        "in your own loop, which works with megatron-core 0.14 on Python 3.10 and later."
+    )
+
+
+def preflight(argv: list[str]) -> str | None:
+    """What stops a training command line before anything starts (a bad config file, no
+    megatron.training, no CUDA GPU), as one line; None when nothing does."""
+    try:
+        expand_config_argv(argv)
+    except (ValueError, OSError) as error:
+        return f"megatron-offload: {error}"
+    try:
+        has_training = importlib.util.find_spec("megatron.training") is not None
+    except ImportError:  # no megatron package at all
+        has_training = False
+    if not has_training:
+        return f"megatron-offload: {missing_training_message()}"
+    import torch
+
+    if not torch.cuda.is_available():
+        return NO_CUDA
+    return None
+
+
+if __name__ == "__main__":
+    problem = preflight(sys.argv[1:])
+    if problem:
+        print(problem, file=sys.stderr)
+    sys.exit(2 if problem else 0)

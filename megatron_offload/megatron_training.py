@@ -4,8 +4,12 @@ from 0.17 on). Checked against megatron-core 0.19.2.
 ``install_training_hooks()`` makes an unmodified Megatron-LM script offload-aware by replacing four
 names in megatron.training's module namespaces (no source is changed), each wrapper calling the
 original:
-- ``arguments.parse_args``: our flags join Megatron's parser (unless the script already added them);
-- ``arguments.validate_args``: our rules run after Megatron's own;
+- ``arguments.parse_args``: our flags join Megatron's parser (unless the script already added them),
+  every on/off switch gets its opposite (so ``NAME: false`` in a ``--config`` file works), and a parse
+  error is one line (not Megatron's usage of several hundred lines);
+- ``arguments.validate_args``: without a CUDA GPU, one line and exit; our checks of the flags as given run
+  before Megatron's own (whose assertions would send the user the wrong way, and whose argument dump
+  would bury our message), the rest after it; a refusal is one line, not a traceback;
 - ``training.get_megatron_optimizer``: the offloader is attached to the optimizer Megatron builds,
   when ``--offload-optimizer-states`` is given; with torch Adam (no TransformerEngine or apex), with
   or without offloading, megatron-core's resume bugs are worked around (``fix_torch_adam_checkpoints``);
@@ -25,15 +29,24 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
 from megatron_offload.adam_resume import fix_torch_adam_checkpoints
-from megatron_offload.args import add_offload_args, config_from_args, validate_offload_args
+from megatron_offload.args import (
+    add_offload_args,
+    check_offload_combinations,
+    config_from_args,
+    ignored_offload_flags,
+    validate_offload_args,
+)
 from megatron_offload.gpu_memory import apply_memory_cap, use_expandable_segments_by_default
+from megatron_offload.launch_config import NO_CUDA, add_switch_inverses, missing_training_message
 from megatron_offload.megatron_adapter import OffloadHandle, attach_offloader
+from megatron_offload.megatron_sleep import install_rl_sleep_hooks
 from megatron_offload.report import MemoryReading, format_offload_fields
 
 __all__ = ["MissingMegatronTraining", "attached_handles", "install_training_hooks"]
@@ -55,11 +68,7 @@ def _import_megatron_training() -> tuple[Any, Any, Any]:
     try:
         from megatron.training import arguments, global_vars, training
     except ImportError as error:
-        raise MissingMegatronTraining(
-            "Megatron-LM's training loop (megatron.training) is not installed: megatron-core wheels ship "
-            "it from 0.17 on (checked: 0.19.2). Install megatron-core>=0.17, or use the library API "
-            "megatron_offload.attach_offloader(optimizer) with your own loop, which works from 0.14 on."
-        ) from error
+        raise MissingMegatronTraining(missing_training_message()) from error
     return arguments, global_vars, training
 
 
@@ -67,6 +76,30 @@ def _print_once(message: str) -> None:
     """Print on the first rank only (before torch.distributed exists, torchrun's RANK tells)."""
     if int(os.environ.get("RANK", "0")) == 0:
         print(message, flush=True)
+
+
+def _stop(message: str) -> NoReturn:
+    """End the run with one line on stderr (from the first rank; every rank exits)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(message, file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def _refuse_bad_flags(check: Callable[[argparse.Namespace], None], args: argparse.Namespace) -> None:
+    """Run one of our checks; a refusal ends the run in one line, as the input was the problem."""
+    try:
+        check(args)
+    except ValueError as error:
+        _stop(f"megatron-offload: {error}")
+
+
+def _one_line_errors(parser: argparse.ArgumentParser) -> None:
+    """A parse error as argparse's last line only: Megatron's usage text runs to hundreds of lines."""
+
+    def error(message: str) -> NoReturn:
+        _stop(f"{parser.prog}: error: {message} (--help lists the flags)")
+
+    parser.error = error  # type: ignore[method-assign]
 
 
 def _has_offload_flags(parser: argparse.ArgumentParser) -> bool:
@@ -100,15 +133,24 @@ def install_training_hooks() -> None:
         def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             if extra_args_provider is not None:
                 parser = extra_args_provider(parser)
-            return parser if _has_offload_flags(parser) else add_offload_args(parser)
+            if not _has_offload_flags(parser):
+                parser = add_offload_args(parser)
+            _one_line_errors(parser)
+            return add_switch_inverses(parser)
 
         return parse_args(provider, *args, **kwargs)
 
     validate_args = arguments.validate_args
 
     def validate_args_then_offload_flags(args: argparse.Namespace, *rest: Any, **kwargs: Any) -> Any:
+        if not torch.cuda.is_available():  # Megatron would assert so only after its argument dump
+            _stop(NO_CUDA)
+        _refuse_bad_flags(check_offload_combinations, args)  # before Megatron's assertions and dump
         result = validate_args(args, *rest, **kwargs)
-        validate_offload_args(args)
+        _refuse_bad_flags(validate_offload_args, args)
+        ignored = ignored_offload_flags(args)
+        if ignored:
+            _print_once(f"megatron-offload: {', '.join(ignored)} do nothing without --offload-optimizer-states")
         cap = getattr(args, "offload_gpu_memory_cap_gib", None)
         if cap is not None:  # before the model is built, so that everything counts against it
             apply_memory_cap(cap, int(os.environ.get("LOCAL_RANK", "0")))
@@ -126,7 +168,9 @@ def install_training_hooks() -> None:
             _print_once(fix_note)
         megatron_args = global_vars.get_args()
         if getattr(megatron_args, "offload_optimizer_states", False):
-            _handles.append(attach_offloader(optimizer, config_from_args(megatron_args)))
+            handle = attach_offloader(optimizer, config_from_args(megatron_args))
+            handle.say = _print_once  # what `--offload-fraction auto` chose, on the first rank
+            _handles.append(handle)
         return optimizer
 
     print_rank_last = training.print_rank_last
@@ -154,5 +198,6 @@ def install_training_hooks() -> None:
     arguments.parse_args = parse_args_with_offload_flags
     arguments.validate_args = validate_args_then_offload_flags
     training.get_megatron_optimizer = get_megatron_optimizer_and_attach
+    install_rl_sleep_hooks()  # wraps the optimizer getter above: RL's offload_to_cpu goes through our sleep
     training.print_rank_last = print_rank_last_with_offload
     _installed = True

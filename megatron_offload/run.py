@@ -5,36 +5,50 @@
 
 The offload flags join Megatron's parser, are validated with Megatron's other arguments, and the
 offloader is attached to the optimizer Megatron builds. Without --offload-optimizer-states the script
-runs exactly as before.
+runs exactly as before. SCRIPT --help lists Megatron's flags and ours.
 """
 
 from __future__ import annotations
 
+import argparse
 import runpy
 import sys
 from pathlib import Path
 
-from megatron_offload.launch_config import expand_config_argv
+import torch
+
+from megatron_offload.args import add_offload_args
+from megatron_offload.launch_config import NO_CUDA, expand_config_argv
 from megatron_offload.megatron_training import MissingMegatronTraining, install_training_hooks
 
 USAGE = "usage: python -m megatron_offload.run SCRIPT [--config FILE.yaml] [SCRIPT ARGS...]"
 
 
+def help_text() -> str:
+    """The launcher's help: how to call it, then the flags it adds to the script's."""
+    flags = add_offload_args(argparse.ArgumentParser(usage=argparse.SUPPRESS, add_help=False))
+    return f"{__doc__.strip()}\n\n{flags.format_help().strip()}"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.strip() if argv else USAGE, file=sys.stdout if argv else sys.stderr)
+        print(help_text() if argv else USAGE, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     script, *script_args = argv
     if not Path(script).is_file():
         print(f"megatron_offload.run: no such script: {script}\n{USAGE}", file=sys.stderr)
         return 2
     try:
+        script_args = expand_config_argv(script_args)
         install_training_hooks()
-    except MissingMegatronTraining as error:
+    except (ValueError, OSError, MissingMegatronTraining) as error:  # the input or the install: one line
         print(f"megatron_offload.run: {error}", file=sys.stderr)
         return 2
-    sys.argv = [script, *expand_config_argv(script_args)]
+    if not torch.cuda.is_available() and not {"-h", "--help"} & set(script_args):
+        print(NO_CUDA, file=sys.stderr)
+        return 2
+    sys.argv = [script, *script_args]
     sys.path.insert(0, str(Path(script).resolve().parent))
     runpy.run_path(script, run_name="__main__")
     return 0

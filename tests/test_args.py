@@ -5,6 +5,7 @@ import argparse
 import pytest
 
 from megatron_offload import OffloadConfig, PrefetchPolicy, add_offload_args, config_from_args, validate_offload_args
+from megatron_offload.args import check_offload_combinations, ignored_offload_flags
 
 
 def megatron_like_args(**overrides: object) -> argparse.Namespace:
@@ -163,7 +164,7 @@ def parsed(*argv: str) -> argparse.Namespace:
 
 @pytest.mark.parametrize(("flag", "value"), BAD_VALUES)
 def test_validation_rejects_bad_values_before_anything_is_built(flag: str, value: str) -> None:
-    with pytest.raises(ValueError, match=f"{flag} must be a (positive )?number"):
+    with pytest.raises(ValueError, match=f"{flag} must be (a positive|'auto' or a) number"):
         validate_offload_args(parsed(flag, value))
 
 
@@ -196,7 +197,8 @@ def test_the_cap_is_checked_with_offloading_off_too() -> None:
 @pytest.mark.parametrize(
     ("yaml_line", "expected"),
     [
-        ("offload-fraction: 1.5", "--offload-fraction must be a number from 0"),
+        ("offload-fraction: 1.5", "--offload-fraction must be 'auto' or a number from 0"),
+        ("offload-fraction: half", "argument --offload-fraction: expected 'auto' or a number from 0 to 1, got 'half'"),
         ("offload-chunk-mb: -4", "--offload-chunk-mb must be a positive number"),
         ("offload-chunk-mb: abc", "argument --offload-chunk-mb: invalid float value: 'abc'"),
         ("offload-chunk-mb: true", "argument --offload-chunk-mb: expected one argument"),
@@ -217,3 +219,93 @@ def test_a_config_file_gets_the_same_checks(
         return
     with pytest.raises(ValueError, match=expected):
         validate_offload_args(megatron_like_args(**vars(args)))
+
+
+FRACTION_MESSAGE = (
+    "--offload-fraction must be 'auto' or a number from 0 (offload nothing) to 1 (offload all, the default), got {}"
+)
+
+
+@pytest.mark.parametrize("text", ["auto", "AUTO", " auto "])
+def test_fraction_auto_from_the_flag_reaches_the_config(text: str) -> None:
+    args = add_offload_args(argparse.ArgumentParser()).parse_args(
+        ["--offload-optimizer-states", "--offload-fraction", text]
+    )
+    assert args.offload_fraction == "auto"
+    validate_offload_args(megatron_like_args(**vars(args)))
+    assert config_from_args(args) == OffloadConfig(fraction="auto")
+    assert config_from_args(args).fraction == "auto"
+
+
+def test_fraction_auto_from_a_config_file(tmp_path) -> None:
+    from megatron_offload.launch_config import expand_config_argv
+
+    (tmp_path / "run.yaml").write_text("offload-optimizer-states: true\noffload-fraction: auto\n")
+    argv = expand_config_argv(["--config", str(tmp_path / "run.yaml")])
+    args = add_offload_args(argparse.ArgumentParser()).parse_args(argv)
+    assert config_from_args(args).fraction == "auto"
+
+
+def test_fraction_numbers_still_parse_and_the_default_is_one() -> None:
+    parser = add_offload_args(argparse.ArgumentParser())
+    assert parser.parse_args(["--offload-fraction", "0.5"]).offload_fraction == 0.5
+    assert parser.parse_args([]).offload_fraction == 1.0 and OffloadConfig().fraction == 1.0
+
+
+def test_a_bad_fraction_word_is_one_line_naming_the_flag_and_the_choices(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        add_offload_args(argparse.ArgumentParser(prog="train")).parse_args(["--offload-fraction", "most"])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == "train: error: argument --offload-fraction: expected 'auto' or a number from 0 to 1, got 'most'"
+
+
+@pytest.mark.parametrize("value", ["Auto!", "", 2, -0.5, True, None])
+def test_the_python_api_refuses_a_fraction_that_is_neither_auto_nor_in_range(value: object) -> None:
+    with pytest.raises(ValueError) as error:
+        OffloadConfig(fraction=value)
+    assert str(error.value) == FRACTION_MESSAGE.format(repr(value))
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--offload-fraction", "2", FRACTION_MESSAGE.format("2.0")),
+        ("--offload-chunk-mb", "0", "--offload-chunk-mb must be a positive number of MiB (the default is 64), got 0.0"),
+    ],
+)
+def test_out_of_range_values_are_refused_with_offloading_off_too(flag: str, value: str, message: str) -> None:
+    args = add_offload_args(argparse.ArgumentParser()).parse_args([flag, value])
+    assert args.offload_optimizer_states is False
+    with pytest.raises(ValueError) as error:
+        validate_offload_args(args)
+    assert str(error.value) == message
+
+
+def test_the_early_check_refuses_cpu_offload_without_the_precision_aware_optimizer() -> None:
+    """Megatron asserts that --optimizer-cpu-offload needs --use-precision-aware-optimizer; our refusal,
+    which runs first, must not depend on that flag."""
+    args = megatron_like_args(optimizer_cpu_offload=True, use_precision_aware_optimizer=False)
+    with pytest.raises(ValueError) as error:
+        check_offload_combinations(args)
+    assert str(error.value).startswith("--offload-optimizer-states cannot be combined with --optimizer-cpu-offload. ")
+    assert "pick one" in str(error.value)
+
+
+def test_the_early_check_asks_for_the_distributed_optimizer_too() -> None:
+    """Megatron turns it on by itself only with Megatron-FSDP, which is refused: the early check can ask."""
+    with pytest.raises(ValueError, match="needs --use-distributed-optimizer"):
+        check_offload_combinations(megatron_like_args(use_distributed_optimizer=False))
+    with pytest.raises(ValueError, match="cannot be combined with --use-megatron-fsdp"):
+        check_offload_combinations(megatron_like_args(use_distributed_optimizer=False, use_megatron_fsdp=True))
+
+
+def test_offload_flags_without_the_switch_are_listed_as_ignored() -> None:
+    parser = add_offload_args(argparse.ArgumentParser())
+    assert ignored_offload_flags(parser.parse_args([])) == []
+    assert ignored_offload_flags(parser.parse_args(["--offload-gpu-memory-cap-gib", "8"])) == []
+    args = parser.parse_args(
+        ["--offload-fraction", "auto", "--no-offload-master-weights", "--offload-prefetch", "step"]
+    )
+    assert ignored_offload_flags(args) == ["--no-offload-master-weights", "--offload-prefetch", "--offload-fraction"]
+    args = parser.parse_args(["--offload-optimizer-states", "--offload-fraction", "0.5"])
+    assert ignored_offload_flags(args) == []

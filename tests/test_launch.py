@@ -21,10 +21,10 @@ def test_config_file_flags_come_before_the_command_line(tmp_path: Path) -> None:
     config.write_text("num_layers: 4\nbf16: true\noffload-master-weights: false\neval_iters: [1, 2]\n")
     argv = ["--lr", "1e-4", "--config", str(config), "--num-layers", "8"]
     assert expand_config_argv(argv) == [
-        "--num-layers", "4", "--bf16", "--no-offload-master-weights", "--eval-iters", "1", "2",
+        "--num-layers=4", "--bf16", "--no-offload-master-weights", "--eval-iters", "1", "2",
         "--lr", "1e-4", "--num-layers", "8",
     ]  # fmt: skip
-    assert expand_config_argv([f"--config={config}"])[:2] == ["--num-layers", "4"]
+    assert expand_config_argv([f"--config={config}"])[:1] == ["--num-layers=4"]
     assert expand_config_argv(["--lr", "1"]) == ["--lr", "1"]
 
 

@@ -1,0 +1,49 @@
+"""Progress lines for the waits a user would otherwise sit through in silence. Pinning a multi-GB host
+slab (``cudaHostRegister``) takes seconds at start-up, before the first iteration's log line."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TextIO
+
+__all__ = ["pin_progress"]
+
+GIB = 1024**3
+MIN_BYTES = GIB // 4  # below this pinning takes well under a second: say nothing
+
+
+def _first_rank() -> bool:
+    """Rank 0 of the job (torchrun's RANK before torch.distributed starts, its rank after)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+@contextmanager
+def pin_progress(
+    nbytes: int,
+    what: str = "host memory",
+    *,
+    stream: TextIO | None = None,
+    min_bytes: int = MIN_BYTES,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Iterator[None]:
+    """Wrap the pinning of ``nbytes``: on the first rank, a line before ("pinning 12.00 GiB of host
+    memory ...") and one after with the time and rate, so a slow start is explained and measured. Says
+    nothing for small amounts, on other ranks, or after an error (the error speaks)."""
+    show = nbytes >= min_bytes and _first_rank()
+    out = stream or sys.stderr
+    head = f"megatron-offload: pinning {nbytes / GIB:.2f} GiB of {what} ..."
+    if show:
+        print(head, file=out, flush=True)
+    start = clock()
+    yield
+    if show:
+        seconds = max(clock() - start, 1e-9)
+        print(f"{head} done in {seconds:.1f} s ({nbytes / GIB / seconds:.1f} GiB/s)", file=out, flush=True)

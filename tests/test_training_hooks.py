@@ -1,0 +1,166 @@
+"""The hooks on Megatron-LM's training loop, against a stand-in for ``megatron.training`` (megatron-core
+wheels before 0.17 lack it, and it needs CUDA to train): the order of the checks and their messages,
+one line each, before Megatron's own assertions and its argument dump."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_offload import megatron_training, run
+from megatron_offload.launch_config import NO_CUDA, expand_config_argv
+
+MEGATRON_DUMP = "------------------------ arguments ------------------------"
+
+
+def fake_megatron_training() -> types.ModuleType:
+    """megatron.training's arguments, global_vars and training modules, reduced to what the hooks wrap;
+    validate_args asserts and prints as Megatron's does."""
+    arguments = types.ModuleType("megatron.training.arguments")
+
+    def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+        parser = argparse.ArgumentParser(prog="pretrain_gpt.py", allow_abbrev=False)
+        for flag in ("--optimizer-cpu-offload", "--use-precision-aware-optimizer", "--use-distributed-optimizer"):
+            parser.add_argument(flag, action="store_true")
+        parser.add_argument("--optimizer", default="adam")
+        if extra_args_provider is not None:
+            parser = extra_args_provider(parser)
+        return parser.parse_args()
+
+    def validate_args(args, defaults={}):  # noqa: B006 (Megatron's signature)
+        if args.optimizer_cpu_offload:
+            assert args.use_precision_aware_optimizer, "The optimizer cpu offload must be used in conjunction..."
+        print(MEGATRON_DUMP)
+        return args
+
+    arguments.parse_args, arguments.validate_args = parse_args, validate_args
+    training = types.ModuleType("megatron.training.training")
+    training.get_megatron_optimizer = lambda *a, **k: None
+    training.print_rank_last = print
+    package = types.ModuleType("megatron.training")
+    package.arguments, package.training = arguments, training
+    package.global_vars = types.ModuleType("megatron.training.global_vars")
+    return package
+
+
+@pytest.fixture
+def megatron(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    """The stand-in installed and hooked; everything the hooks change is put back afterwards."""
+    from megatron.core.datasets import utils as dataset_utils
+
+    package = fake_megatron_training()
+    for name in ("arguments", "training", "global_vars"):
+        monkeypatch.setitem(sys.modules, f"megatron.training.{name}", getattr(package, name))
+    monkeypatch.setitem(sys.modules, "megatron.training", package)
+    monkeypatch.setattr(dataset_utils, "compile_helpers", dataset_utils.compile_helpers)
+    monkeypatch.setattr(megatron_training, "_installed", False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.delenv("RANK", raising=False)
+    megatron_training.install_training_hooks()
+    return package
+
+
+def parse_and_validate(megatron: types.ModuleType, monkeypatch: pytest.MonkeyPatch, *argv: str) -> object:
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *argv])
+    return megatron.arguments.validate_args(megatron.arguments.parse_args())
+
+
+def test_our_refusal_comes_before_megatrons_assertion_and_dump(
+    megatron: types.ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    argv = ("--offload-optimizer-states", "--optimizer-cpu-offload", "--use-distributed-optimizer")
+    with pytest.raises(SystemExit) as exit_:
+        parse_and_validate(megatron, monkeypatch, *argv)
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and MEGATRON_DUMP not in out
+    (line,) = err.splitlines()
+    assert line.startswith(
+        "megatron-offload: --offload-optimizer-states cannot be combined with --optimizer-cpu-offload."
+    )
+
+
+def test_no_cuda_is_one_line_before_megatrons_dump(
+    megatron: types.ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        parse_and_validate(megatron, monkeypatch, "--use-distributed-optimizer")
+    out, err = capsys.readouterr()
+    assert err == NO_CUDA + "\n" and MEGATRON_DUMP not in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--offload-fraction", "most"],
+            "pretrain_gpt.py: error: argument --offload-fraction: expected 'auto' or a number from 0 to 1, "
+            "got 'most' (--help lists the flags)",
+        ),
+        (["--offload-fraction", "2"], "megatron-offload: --offload-fraction must be 'auto' or a number from 0"),
+        (["--offload-chunk-mb", "0"], "megatron-offload: --offload-chunk-mb must be a positive number of MiB"),
+        (["--no-such-flag"], "pretrain_gpt.py: error: unrecognized arguments: --no-such-flag (--help lists the flags)"),
+    ],
+)
+def test_bad_values_are_one_line_even_with_offloading_off(
+    megatron: types.ModuleType,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    message: str,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(SystemExit) as exit_:
+        parse_and_validate(megatron, monkeypatch, *argv)
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and MEGATRON_DUMP not in out
+    (line,) = err.splitlines()
+    assert line.startswith(message)
+
+
+def test_a_config_file_turns_megatron_switches_off_and_ignored_flags_are_named(
+    megatron: types.ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    config = tmp_path / "run.yaml"
+    config.write_text("use-distributed-optimizer: false\noffload-fraction: auto\n")
+    args = parse_and_validate(megatron, monkeypatch, *expand_config_argv(["--config", str(config)]))
+    assert args.use_distributed_optimizer is False and args.offload_fraction == "auto"
+    out = capsys.readouterr().out
+    assert "megatron-offload: --offload-fraction do nothing without --offload-optimizer-states" in out
+    assert MEGATRON_DUMP in out  # a working combination: Megatron's validation ran
+
+
+def test_the_launcher_stops_without_cuda_before_running_the_script(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('the script must not run')\n")
+    monkeypatch.setattr(run, "install_training_hooks", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert run.main([str(script), "--lr", "1"]) == 2
+    assert capsys.readouterr().err == NO_CUDA + "\n"
+
+
+def test_the_launcher_names_a_bad_config_in_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('the script must not run')\n")
+    (tmp_path / "bad.yaml").write_text("lr: [1\n")
+    assert run.main([str(script), "--config", str(tmp_path / "bad.yaml")]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"megatron_offload.run: --config {tmp_path / 'bad.yaml'}: not valid YAML at line 2")
+
+
+def test_the_launcher_help_lists_the_offload_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Run an unmodified Megatron-LM training script")
+    for flag in ("--offload-prefetch {auto,finalize,step}", "--offload-chunk-mb MIB", "--offload-fraction {auto,F}"):
+        assert flag in out
+    assert "--offload-gpu-memory-cap-gib GIB" in out and "--no-offload-host-memory-check" in out
