@@ -5,10 +5,12 @@ Clients: our ``scripts/pretrain_gpt.py``, and Megatron-LM's own ``pretrain_gpt.p
 NVIDIA/Megatron-LM at the branch matching megatron-core, not part of this repository) through our
 launcher. Time per iteration is Megatron's own "elapsed time per iteration" at each log interval, the
 first interval (warm-up) left out; memory is Megatron's memory report and our log line; losses must
-be bitwise the same as without offloading. ``--cap``: then under a GPU memory cap of the no-offload
-peak less 90% of the state (``--offload-gpu-memory-cap-gib``): no offload must fail, every policy run.
+be bitwise the same as without offloading. Then under a GPU memory cap of the no-offload
+peak less 90% of the state (``--offload-gpu-memory-cap-gib``): no offload must fail, every policy run;
+under a cap of the no-offload peak less 50% of the state, ``--offload-fraction auto``. Each at every
+``--log-intervals`` (Megatron synchronises the device at each logged iteration).
 
-    python benchmarks/megatron_side_by_side.py --megatron-lm PATH [--config configs/gpt_0p9b.yaml] [--cap]
+    python benchmarks/megatron_side_by_side.py --megatron-lm PATH [--log-intervals 1 5] [--only NAME ...]
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -31,7 +34,6 @@ from memory_report import GIB, MIB, last_error_line, parse_log  # noqa: E402
 from megatron_offload.launch_config import needs_one_connection  # noqa: E402
 
 OFFLOAD = ["--offload-optimizer-states"]
-POLICIES = ("auto", "finalize", "step")
 
 
 def run(name: str, argv: list[str], gpus: int, out: Path) -> dict[str, Any]:
@@ -79,63 +81,91 @@ def compare(runs: dict[str, Any], base: str) -> None:
 
 
 def table(results: dict[str, Any]) -> str:
-    lines = [f"{'run':34} {'ms/iter':>8} {'x base':>7} {'peak alloc':>10} {'peak resv':>10} {'exposed':>8}  losses"]
-    for section in ("runs", "capped"):
-        for name, r in results.get(section, {}).items():
+    """Per log interval: ms/iter, the ratio to uncapped no offload, peaks, exposed copy time, losses."""
+    head = f"{'run':26} {'ms/iter':>8} {'x base':>7} {'peak alloc':>10} {'peak resv':>10} {'cap':>6} {'exposed':>8}"
+    lines = [f"{results.get('client', '')}, {results.get('config', '')}, commit {results.get('commit', '')}"]
+    for section, runs in results["runs"].items():
+        lines += ["", section, head + "  losses"]
+        for name, r in runs.items():
             if "error" in r:
-                lines.append(f"{name:34} did not run: {r['error'][:100]}")
+                lines.append(f"{name:26} did not run: {r['error'][:100]}")
                 continue
             equal = "equal" if r.get("losses_equal", True) else "DIFFER"
             lines.append(
-                f"{name:34} {r['step_ms']:8.1f} {r.get('x_base', 1):7.3f} {r.get('peak_allocated_GiB', 0):10.2f} "
-                f"{r.get('peak_reserved_GiB', 0):10.2f} {r.get('exposed_ms') or 0:8.1f}  {equal}"
+                f"{name:26} {r['step_ms']:8.1f} {r.get('x_base', 1):7.3f} {r.get('peak_allocated_GiB', 0):10.2f} "
+                f"{r.get('peak_reserved_GiB', 0):10.2f} {r.get('cap_GiB', 0):6.2f} {r.get('exposed_ms') or 0:8.1f}"
+                f"  {equal}"
             )
-    if "cap_GiB" in results:
-        lines.append(f"cap: {results['cap_GiB']:.2f} GiB (no-offload peak allocated less 90% of the state)")
     return "\n".join(lines) + "\n"
+
+
+# The acceptance matrix of issue 13, per log interval: (name, offload flags, cap as a share of the state
+# taken off the no-offload peak; None: uncapped). The capped no-offload runs are meant to fail.
+MATRIX = (
+    ("no offload", None, None),
+    ("full offload (auto)", [], None),
+    ("fraction auto", ["--offload-fraction", "auto"], None),
+    ("cap 90%: no offload", None, 0.9),
+    ("cap 90%: auto", ["--offload-prefetch", "auto"], 0.9),
+    ("cap 90%: finalize", ["--offload-prefetch", "finalize"], 0.9),
+    ("cap 90%: step", ["--offload-prefetch", "step"], 0.9),
+    ("cap 50%: no offload", None, 0.5),
+    ("cap 50%: fraction auto", ["--offload-fraction", "auto"], 0.5),
+)
+MEANT_TO_FAIL = ("cap 90%: no offload", "cap 50%: no offload")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--megatron-lm", type=Path, help="a Megatron-LM checkout (its pretrain_gpt.py is run)")
+    parser.add_argument("--megatron-lm", type=Path, help="a Megatron-LM checkout: its pretrain_gpt.py is run")
     parser.add_argument("--config", default="configs/gpt_0p9b.yaml")
     parser.add_argument("--gpus", type=int, default=1)
-    parser.add_argument("--cap", action="store_true", help="also run under a cap (see above)")
+    parser.add_argument("--log-intervals", type=int, nargs="+", default=[1, 5])
+    parser.add_argument("--only", nargs="*", help="names from the matrix (default: all; 'no offload' always runs)")
+    parser.add_argument("--train-iters", type=int, default=15)
     parser.add_argument("--out", type=Path, default=ROOT / "side-by-side")
     parser.add_argument("extra", nargs="*", help="more Megatron flags for every run (after --)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    ours = ["scripts/pretrain_gpt.py", "--config", args.config, *args.extra]
-    results: dict[str, Any] = {"config": args.config, "gpus": args.gpus, "runs": {}}
+    if args.megatron_lm:  # Megatron-LM's own script, through our launcher
+        client = ["-m", "megatron_offload.run", str(args.megatron_lm / "pretrain_gpt.py")]
+    else:
+        client = ["scripts/pretrain_gpt.py"]
+    common = [*client, "--config", args.config, "--train-iters", str(args.train_iters), *args.extra]
+    results: dict[str, Any] = {"config": args.config, "gpus": args.gpus, "client": client[-1], "runs": {}}
     results["commit"] = os.environ.get("MEGATRON_OFFLOAD_COMMIT", "unknown")
-    runs = results["runs"]
-    runs["ours: no offload"] = run("ours-no-offload", ours, args.gpus, args.out)
-    runs["ours: auto"] = run("ours-auto", ours + OFFLOAD, args.gpus, args.out)
-    compare(runs, "ours: no offload")
-    if args.megatron_lm:
-        theirs = ["-m", "megatron_offload.run", str(args.megatron_lm / "pretrain_gpt.py"), *ours[1:]]
-        runs["Megatron-LM: no offload"] = run("megatron-lm-no-offload", theirs, args.gpus, args.out)
-        runs["Megatron-LM: auto"] = run("megatron-lm-auto", theirs + OFFLOAD, args.gpus, args.out)
-        sub = {name: runs[name] for name in ("Megatron-LM: no offload", "Megatron-LM: auto")}
-        compare(sub, "Megatron-LM: no offload")
-    base, auto = runs["ours: no offload"], runs["ours: auto"]
-    if args.cap and "error" not in base and "error" not in auto:
-        cap = base["peak_allocated_GiB"] - 0.9 * auto["offloaded_GiB"]
-        results["cap_GiB"] = cap
-        capped = ["--offload-gpu-memory-cap-gib", f"{cap:.3f}"]
-        results["capped"] = {"capped: no offload": run("capped-no-offload", ours + capped, args.gpus, args.out)}
-        for policy in POLICIES:
-            argv = ours + capped + OFFLOAD + ["--offload-prefetch", policy]
-            results["capped"][f"capped: {policy}"] = run(f"capped-{policy}", argv, args.gpus, args.out)
-        compare({"base": base, **results["capped"]}, "base")  # ratios to the uncapped no-offload run
-    (args.out / "side_by_side.json").write_text(json.dumps(results, indent=1, default=str))
+    for interval in args.log_intervals:
+        argv = [*common, "--log-interval", str(interval)]
+        runs: dict[str, Any] = {}
+        for name, flags, cap_share in MATRIX:
+            if args.only and name != "no offload" and name not in args.only:
+                continue
+            full = argv + ([] if flags is None else OFFLOAD + flags)
+            if cap_share is not None:
+                base, offload = runs.get("no offload", {}), runs.get("full offload (auto)", {})
+                state = offload.get("offloaded_GiB") or results.get("state_GiB")
+                if "error" in base or not state or "peak_allocated_GiB" not in base:
+                    runs[name] = {"error": "no uncapped no-offload peak or state size to cap from"}
+                    continue
+                results["state_GiB"] = state
+                cap = base["peak_allocated_GiB"] - cap_share * state
+                results[f"cap {cap_share:.0%} GiB"] = cap
+                full += ["--offload-gpu-memory-cap-gib", f"{cap:.3f}"]
+            slug = f"log{interval}-" + re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+            runs[name] = run(slug, full, args.gpus, args.out) | ({"cap_GiB": cap} if cap_share is not None else {})
+        compare(runs, "no offload")
+        results["runs"][f"log-interval {interval}"] = runs
+        (args.out / "side_by_side.json").write_text(json.dumps(results, indent=1, default=str))
     (args.out / "table.txt").write_text(table(results))
     print("\n" + table(results), end="")
-    # Every run must have run, except the capped no-offload one, which is meant to fail.
-    failed = [n for part in ("runs", "capped") for n, r in results.get(part, {}).items() if "error" in r]
-    failed = [name for name in failed if name != "capped: no offload"]
+    failed = [
+        f"{section}: {name}"
+        for section, runs in results["runs"].items()
+        for name, figures in runs.items()
+        if ("error" in figures) != (name in MEANT_TO_FAIL) or figures.get("losses_equal") is False
+    ]
     if failed:
-        print(f"megatron_side_by_side: {len(failed)} run(s) failed: {', '.join(failed)}; logs in {args.out}")
+        print(f"megatron_side_by_side: {len(failed)} run(s) did not do what they must: {', '.join(failed)}")
     return 1 if failed else 0
 
 

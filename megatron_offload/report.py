@@ -28,7 +28,8 @@ def format_offload_fields(current: OffloadStats, previous: OffloadStats, memory:
         return (getattr(current, name) - getattr(previous, name)) / steps * 1000
 
     return (
-        f" offloaded per rank (GiB): {current.host_bytes / GIB:.2f} |"
+        f" offloaded per rank (GiB): {current.offloaded_bytes / GIB:.2f} |"
+        f" kept on GPU (GiB): {current.kept_bytes / GIB:.2f} |"
         f" offload copy out/in (ms): {per_step_ms('offload_seconds'):.1f}/{per_step_ms('prefetch_seconds'):.1f} |"
         f" offload exposed (ms): {per_step_ms('exposed_seconds'):.1f} |"
         f" mem allocated/reserved (GiB): {memory.allocated / GIB:.2f}/{memory.reserved / GIB:.2f} |"

@@ -7,8 +7,9 @@
 #            tests        the whole test suite, GPU tests included (every version given)
 #            probe        benchmarks/copy_order_probe.py: a read right after a step that offloads 8.4 GB
 #            bench        benchmarks/offload_bandwidth.py on issue 9's GPT, uncapped and under a cap
-#            side         benchmarks/megatron_side_by_side.py: Megatron-LM's loop, our script and
-#                         Megatron-LM's own pretrain_gpt.py ($MEGATRON_LM, default .megatron-lm), a cap
+#            side         benchmarks/megatron_side_by_side.py: Megatron-LM's own pretrain_gpt.py
+#                         ($MEGATRON_LM, default .megatron-lm) through our launcher, at --log-interval 1
+#                         and 5, uncapped and under caps ($SIDE_ARGS narrows it)
 #            integration  scripts/integration.py entries for $GPUS GPUs
 #          GPUS=1|2 (default: as many GPUs as there are, at most 2); BENCH_STEPS (6)
 set -uo pipefail
@@ -51,8 +52,9 @@ if wants bench; then
 fi
 if wants side; then
   echo "=== Megatron-LM's loop side by side"
-  python3 benchmarks/megatron_side_by_side.py --megatron-lm "${MEGATRON_LM:-.megatron-lm}" --gpus 1 --cap \
-    --out "$results/side" 2>&1 | tee "$results/side.log" | grep -vE "Warning|warn" | tail -n 20
+  # SIDE_ARGS, e.g. "--log-intervals 1 --only 'full offload (auto)'": a part of the matrix
+  eval "python3 benchmarks/megatron_side_by_side.py --megatron-lm \"${MEGATRON_LM:-.megatron-lm}\" --gpus 1 \
+    ${SIDE_ARGS:-} --out \"$results/side\"" 2>&1 | tee "$results/side.log" | grep -vE "Warning|warn" | tail -n 20
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if wants integration; then

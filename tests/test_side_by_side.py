@@ -26,26 +26,23 @@ def fake_run(failing: set[str]):
 
 
 @pytest.mark.parametrize(
-    ("failing", "cap", "status"),
+    ("failing", "status"),
     [
-        (set(), False, 0),
-        ({"ours-no-offload", "ours-auto"}, False, 1),  # every run failed: the issue's case
-        ({"ours-auto"}, False, 1),
-        ({"capped-no-offload"}, True, 0),  # the capped no-offload run is meant to fail
-        ({"capped-step"}, True, 1),
+        (set(), 1),  # the capped no-offload runs ran although the cap should have stopped them
+        ({"log1-cap-90-no-offload", "log1-cap-50-no-offload"}, 0),  # as meant: only those fail
+        ({"log1-no-offload", "log1-full-offload-auto"}, 1),  # every run failed: issue 16's case
+        ({"log1-cap-90-no-offload", "log1-cap-50-no-offload", "log1-cap-90-step"}, 1),
     ],
 )
-def test_exit_status_says_whether_the_runs_ran(
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
-    tmp_path: Path,
-    failing: set,
-    cap: bool,
-    status: int,
+def test_exit_status_says_whether_every_run_did_what_it_must(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path, failing: set, status: int
 ) -> None:
-    monkeypatch.setattr(side, "run", fake_run(failing))
-    monkeypatch.setattr(sys, "argv", ["megatron_side_by_side.py", "--out", str(tmp_path), *(["--cap"] if cap else [])])
+    names = []
+    monkeypatch.setattr(side, "run", lambda name, *rest: names.append(name) or fake_run(failing)(name, *rest))
+    monkeypatch.setattr(sys, "argv", ["megatron_side_by_side.py", "--out", str(tmp_path), "--log-intervals", "1"])
     assert side.main() == status
     out = capsys.readouterr().out
-    assert ("run(s) failed" in out) is bool(status)
+    assert ("did not do what they must" in out) is bool(status)
     assert (tmp_path / "table.txt").is_file()
+    if "log1-no-offload" not in failing:
+        assert len(names) == len(side.MATRIX)  # the whole matrix ran (capped runs took their cap from it)
