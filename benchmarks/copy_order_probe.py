@@ -64,13 +64,11 @@ def offloader_run(state_gb: float, prefetch: str, small: torch.Tensor, repeats: 
     offloader.offload()
     waits, drains = [], []
     for step in range(repeats + 1):  # the first step creates Adam's moments
-        for master in masters:
-            # On the GPU explicitly: an offloaded master's .data is its host copy, so randn_like would make
-            # a CPU gradient (which the offloader refuses).
-            master.grad = torch.randn(master.shape, device="cuda")
         if prefetch == "finalize":
             offloader.prefetch()
-        with offloader.params_on_device():
+        with offloader.params_on_device():  # offloaded masters look like GPU tensors: grads can be assigned
+            for master in masters:
+                master.grad = torch.randn(master.shape, device="cuda")
             offloader.run_step()
         wait = timed_read(small)
         start = time.perf_counter()

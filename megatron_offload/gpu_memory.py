@@ -29,6 +29,7 @@ ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
 
 _cap_bytes: dict[int, int] = {}  # device index -> the cap applied by apply_memory_cap
+_expandable_from_now = False
 
 
 def use_expandable_segments_by_default(environ: dict[str, str] | None = None) -> str | None:
@@ -48,8 +49,9 @@ def expandable_segments_from_now(environ: dict[str, str] | None = None) -> str |
     """After CUDA started (the library API, where no launcher set the variable first): turn expandable
     segments on for every segment the allocator makes from now on, which is where activations and state
     come and go. Returns the line to log, or None when the user's setting stands."""
+    global _expandable_from_now
     environ = os.environ if environ is None else environ
-    if any(environ.get(name) for name in ALLOCATOR_VARIABLES) or not torch.cuda.is_available():
+    if _expandable_from_now or any(environ.get(n) for n in ALLOCATOR_VARIABLES) or not torch.cuda.is_available():
         return None
     try:
         torch.cuda.memory._set_allocator_settings(EXPANDABLE_SEGMENTS)
@@ -58,7 +60,7 @@ def expandable_segments_from_now(environ: dict[str, str] | None = None) -> str |
             f"megatron-offload: could not turn on {EXPANDABLE_SEGMENTS} at run time ({error}); state moving in "
             f"and out may fragment GPU memory: set PYTORCH_CUDA_ALLOC_CONF={EXPANDABLE_SEGMENTS} before CUDA starts"
         )
-    environ["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE_SEGMENTS  # said once; child processes inherit it
+    _expandable_from_now = True  # said once; the environment is left alone (child processes choose their own)
     return (
         f"megatron-offload: PYTORCH_CUDA_ALLOC_CONF was not set; {EXPANDABLE_SEGMENTS} from now on, so that "
         "state moving in and out does not fragment GPU memory. Set PYTORCH_CUDA_ALLOC_CONF to choose otherwise."

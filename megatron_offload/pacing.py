@@ -56,7 +56,7 @@ class PrefetchDuringBackward:
     - at the step, where what we brought back is still there when the step makes its own tensors
       (megatron-core's fp32 copies of bf16 gradients, Adam's temporaries, the streamed step's staging
       chunks): what the step holds when it starts is learned too, and its extra is bounded;
-    - under the limit, in reserved bytes (the scheduler's ``backward_room``).
+    - under the limit, in reserved bytes (the scheduler's ``backward_room``), now and at the step.
     Learned over earlier iterations; the first one that samples only learns.
     NOTE: which backward is the last is counted, not read from DDP's ``is_last_microbatch``: Megatron-LM
     installs ``no_sync`` only with --overlap-grad-reduce, so without it that flag is always set. The
@@ -103,10 +103,12 @@ class PrefetchDuringBackward:
         self.level = max(self.level, natural)
         if self.margin is None or self.at_step is None:
             return
+        scheduler = self.handle.scheduler
         room = min(
             self.level - self.margin - natural - self.brought,
             self.level - self.at_step - self.step_extra - self.brought,
-            self.handle.scheduler.backward_room(allocated),
+            scheduler.backward_room(allocated),  # under the limit now, in reserved bytes
+            scheduler.backward_room(self.at_step + self.step_extra) - self.brought,  # and at the step
         )
         if room > 0:
             self.brought += self.handle.prefetch(max_bytes=room, landed_only=True)

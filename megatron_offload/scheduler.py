@@ -31,7 +31,7 @@ __all__ = ["MIB", "GIB", "Peaks", "StateScheduler"]
 MIB = 1024**2
 GIB = 1024**3
 MARGIN_SHARE = 0.03  # of the limit, kept free for what no reading sees (allocator rounding, spikes)
-MIN_MARGIN_BYTES = 512 * MIB
+MIN_MARGIN_BYTES = 128 * MIB
 
 
 @dataclass(frozen=True)

@@ -24,13 +24,19 @@ def run_conditions(mode: str, **env: str) -> dict:
     result = subprocess.run(
         [sys.executable, "tests/gpu/conditions.py", mode],
         cwd=ROOT,
-        env={**os.environ, **env},
+        # The allocator's defaults, as for a user of the library API (no launcher of ours set them).
+        env={
+            **{k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")},
+            **env,
+        },
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    print(json.dumps(figures))  # all of it in the log, whichever assertion fails first
+    return figures
 
 
 def assert_every_policy_matches(result: dict) -> None:

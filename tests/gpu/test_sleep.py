@@ -22,6 +22,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("megatron.core", reason="needs megatron-core installed (scripts/device_check.sh does it)")
 
 from megatron_offload import SleepError, attach_offloader, sleep_wake_for  # noqa: E402
+from megatron_offload.gpu_memory import expandable_segments_from_now  # noqa: E402
 from megatron_offload.megatron_adapter import distributed_optimizers  # noqa: E402
 from tests.gpu.harness import GPTShape, GPTTraining, build_gpt_training, init_distributed  # noqa: E402
 
@@ -45,6 +46,10 @@ print(block.numel())
 
 @pytest.fixture(scope="module", autouse=True)
 def distributed() -> None:
+    # Memory goes back to the device only from segments the allocator can release piece by piece: the
+    # expandable segments our launcher, attach_offloader and RL frameworks turn on. Earlier test modules
+    # of this process started CUDA with fixed segments, so turn them on here, before anything is built.
+    expandable_segments_from_now()
     init_distributed()
 
 
