@@ -29,10 +29,11 @@ logger = logging.getLogger(__name__)
 __all__ = ["OptimizerStateOffloader"]
 
 DEFAULT_CHUNK_BYTES = 64 * 1024**2
-# Copies a lane keeps queued on its stream: with two, the next chunk is queued while one is copied, so
-# the link does not idle while the lane's thread waits for the GIL; a read queued behind them (a loss
-# .item()) waits for two chunks at most.
-LANE_DEPTH = 2
+# Copies a lane keeps queued on its stream: one. Then a read queued behind them (a loss .item()) waits
+# for one chunk at most, and a device-wide sync (Megatron's, at every logged iteration) finds the link
+# idle between two chunks and returns, instead of waiting for every offload still to come. Measured on
+# an H100: with two, a sync right after the step waited for the whole backlog.
+LANE_DEPTH = 1
 # The lanes' threads need the GIL to issue each chunk; Python hands it over only every switch interval
 # (5 ms by default), longer than a 64 MiB copy takes, so a busy main thread would starve the link.
 GIL_SWITCH_SECONDS = 0.0005

@@ -290,7 +290,7 @@ class OffloadHandle:
         peaks = Peaks(torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
         grew = self.scheduler.observe_step_start(peaks, on_gpu_at_peak=self.kept_bytes())
         if self.auto_fraction and (self._chosen is None or grew):
-            state = sum(offloader.plan.host_bytes or offloader.estimated_host_bytes() for offloader in self.offloaders)
+            state = sum(offloader.plan.full_bytes() for offloader in self.offloaders)
             budget = self.scheduler.kept_budget(state)
             for offloader in self.offloaders:
                 offloader.set_fraction(1.0 - budget / state if state else 1.0)

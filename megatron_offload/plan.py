@@ -72,6 +72,10 @@ class Plan:
     def host_bytes(self) -> int:
         return sum(chunk.nbytes for chunk in self.chunks)
 
+    def full_bytes(self) -> int:
+        """Every chunk's size once Adam's first step has added the moments (the slab's room)."""
+        return sum(max(chunk.nbytes, chunk.expected) for chunk in self.chunks)
+
     def kept_bytes(self, to_come: bool = True) -> int:
         """State kept on the GPU; with ``to_come``, counting the moments Adam's first step will add."""
         return sum(max(c.nbytes, c.expected) if to_come else c.nbytes for c in self.chunks if c.kept)

@@ -1,8 +1,9 @@
 """The optimizer step, streamed chunk by chunk through a few GPU buffers, both copy directions at once.
 
-Chunks already on the GPU (kept, or prefetched during backward) are updated first, in groups; the
-others stream through ``STAGING_CHUNKS`` buffers: prefetch chunk i+2, update chunk i, offload chunk
-i-1, at once. Adam is element-wise, so stepping a subset of params per call gives bitwise the result
+Chunks already on the GPU (kept, or prefetched during backward) are updated first, in groups, while
+the first streamed chunks come in; the others stream through ``STAGING_CHUNKS`` buffers: prefetch chunk
+i+2, update chunk i, offload chunk i-1, at once. The offloads of the chunks that were back early go
+last, so the pipeline's own offloads, which free its buffers, have the link to the host to themselves. Adam is element-wise, so stepping a subset of params per call gives bitwise the result
 of one call over all of them (``RestrictedStep``).
 """
 
@@ -119,6 +120,8 @@ def run_streamed_step(offloader: OptimizerStateOffloader, after_chunk: AfterChun
     fresh = offloader.compute_reached()  # the staging memory may have been freed by compute work just now
     offloader.stats.bytes_streamed += sum(chunk.nbytes for chunk in streamed)
 
+    deferred: list[Chunk] = []  # chunks that were back before the step: offloaded after the streamed ones
+
     def update(group: list[Chunk], urgent: bool) -> None:
         for chunk in group:
             offloader.hand_to_compute(chunk)
@@ -132,8 +135,14 @@ def run_streamed_step(offloader: OptimizerStateOffloader, after_chunk: AfterChun
             )
             if added:
                 offloader._count_plan()
-            if not chunk.kept:
-                offloader._offload_chunk(chunk, urgent=urgent)
+            if chunk.kept:
+                continue
+            if urgent:
+                offloader._offload_chunk(chunk, urgent=True)
+            else:
+                # The streamed chunks' offloads free the staging buffers the pipeline waits on: the
+                # link to the host is theirs until the last one is out.
+                deferred.append(chunk)
 
     try:
         for index, chunk in enumerate(streamed[: STAGING_CHUNKS - 1]):
@@ -153,7 +162,10 @@ def run_streamed_step(offloader: OptimizerStateOffloader, after_chunk: AfterChun
                 nbytes = streamed[upcoming].nbytes
                 offloader._prefetch_chunk(streamed[upcoming], buffer[:nbytes], ready=ready_at, urgent=True)
     finally:
-        # Updated chunks leave with their new values; chunks never handed to compute are dropped.
+        # Updated chunks leave with their new values (those that were back before the step last);
+        # chunks never handed to compute are dropped.
+        for chunk in deferred:
+            offloader._offload_chunk(chunk)
         for chunk in chunks:
             if not chunk.offloaded and not (chunk.kept and chunk.touched):
                 offloader._offload_chunk(chunk)
