@@ -3,8 +3,9 @@
 Chunks already on the GPU (kept, or prefetched during backward) are updated first, in groups, while
 the first streamed chunks come in; the others stream through ``STAGING_CHUNKS`` buffers: prefetch chunk
 i+2, update chunk i, offload chunk i-1, at once. The offloads of the chunks that were back early go
-last, so the pipeline's own offloads, which free its buffers, have the link to the host to themselves. Adam is element-wise, so stepping a subset of params per call gives bitwise the result
-of one call over all of them (``RestrictedStep``).
+last, so the pipeline's own offloads, which free its buffers, have the link to the host to themselves.
+Adam is element-wise, so stepping a subset of params per call gives bitwise the result of one call over
+all of them (``RestrictedStep``).
 """
 
 from __future__ import annotations
