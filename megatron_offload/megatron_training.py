@@ -150,7 +150,8 @@ def install_training_hooks() -> None:
         _refuse_bad_flags(validate_offload_args, args)
         ignored = ignored_offload_flags(args)
         if ignored:
-            _print_once(f"megatron-offload: {', '.join(ignored)} do nothing without --offload-optimizer-states")
+            verb = "has" if len(ignored) == 1 else "have"
+            _print_once(f"megatron-offload: {', '.join(ignored)} {verb} no effect without --offload-optimizer-states")
         cap = getattr(args, "offload_gpu_memory_cap_gib", None)
         if cap is not None:  # before the model is built, so that everything counts against it
             apply_memory_cap(cap, int(os.environ.get("LOCAL_RANK", "0")))
