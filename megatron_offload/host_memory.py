@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_offload.progress import pin_progress
+
 logger = logging.getLogger(__name__)
 
 GIB = 1024**3
@@ -49,7 +51,8 @@ class HostSlab:
             ) from error
         self.pinned = False
         if pin and nbytes > 0 and _cuda_available():
-            error = _pin(self.tensor.data_ptr(), nbytes)
+            with pin_progress(nbytes, "optimizer state's host memory"):  # seconds per 10 GiB: say so
+                error = _pin(self.tensor.data_ptr(), nbytes)
             if error == 0:
                 self.pinned = True
                 # Unregister before the memory goes back to the C allocator, however we are dropped.
