@@ -123,6 +123,14 @@ def main() -> int:
     parser.add_argument("--log-intervals", type=int, nargs="+", default=[1, 5])
     parser.add_argument("--only", nargs="*", help="names from the matrix (default: all; 'no offload' always runs)")
     parser.add_argument("--train-iters", type=int, default=15)
+    parser.add_argument(
+        "--caps-from",
+        nargs=2,
+        type=float,
+        metavar=("PEAK_GIB", "STATE_GIB"),
+        help="the uncapped no-offload peak allocated and the state (GiB) measured by an earlier call: caps are "
+        "set from these, so the capped runs can go to a device call of their own",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "side-by-side")
     parser.add_argument("extra", nargs="*", help="more Megatron flags for every run (after --)")
     args = parser.parse_args()
@@ -138,12 +146,14 @@ def main() -> int:
         argv = [*common, "--log-interval", str(interval)]
         runs: dict[str, Any] = {}
         for name, flags, cap_share in MATRIX:
-            if args.only and name != "no offload" and name not in args.only:
+            if args.only and name not in args.only and not (name == "no offload" and not args.caps_from):
                 continue
             full = argv + ([] if flags is None else OFFLOAD + flags)
             if cap_share is not None:
                 base, offload = runs.get("no offload", {}), runs.get("full offload (auto)", {})
                 state = offload.get("offloaded_GiB") or results.get("state_GiB")
+                if args.caps_from:
+                    base, state = {"peak_allocated_GiB": args.caps_from[0]}, args.caps_from[1]
                 if "error" in base or not state or "peak_allocated_GiB" not in base:
                     runs[name] = {"error": "no uncapped no-offload peak or state size to cap from"}
                     continue
@@ -153,7 +163,8 @@ def main() -> int:
                 full += ["--offload-gpu-memory-cap-gib", f"{cap:.3f}"]
             slug = f"log{interval}-" + re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
             runs[name] = run(slug, full, args.gpus, args.out) | ({"cap_GiB": cap} if cap_share is not None else {})
-        compare(runs, "no offload")
+        if "no offload" in runs:
+            compare(runs, "no offload")
         results["runs"][f"log-interval {interval}"] = runs
         (args.out / "side_by_side.json").write_text(json.dumps(results, indent=1, default=str))
     (args.out / "table.txt").write_text(table(results))
