@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 
@@ -36,7 +37,8 @@ DEFAULT_CHUNK_BYTES = 64 * 1024**2
 LANE_DEPTH = 1
 # The lanes' threads need the GIL to issue each chunk; Python hands it over only every switch interval
 # (5 ms by default), longer than a 64 MiB copy takes, so a busy main thread would starve the link.
-GIL_SWITCH_SECONDS = 0.0005
+# MEGATRON_OFFLOAD_GIL_SWITCH_S overrides it (for measurements; see docs/engineering-notes.md).
+GIL_SWITCH_SECONDS = float(os.environ.get("MEGATRON_OFFLOAD_GIL_SWITCH_S", "0.0005"))
 
 
 class OptimizerStateOffloader:

@@ -200,8 +200,13 @@ class _PrefetchOnFinalize:
         self.handle = handle
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.handle.scheduler.learned:  # iteration 1 measures the peaks without state: nothing back early
-            self.handle.prefetch()
+        handle = self.handle
+        if handle.scheduler.learned:  # iteration 1 measures the peaks without state: nothing back early
+            # As much as the limit leaves beside what is allocated now and what the step will add; the
+            # rest streams through the step (under a tight cap the whole state does not fit at once).
+            allocated = torch.cuda.memory_allocated() if handle.on_cuda else 0
+            room = handle.scheduler.backward_room(allocated + handle.step_footprint())
+            handle.prefetch(max_bytes=max(0, room) if handle.on_cuda else None)
         return self.inner(*args, **kwargs)
 
 
