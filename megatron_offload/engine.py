@@ -32,13 +32,15 @@ __all__ = ["OptimizerStateOffloader"]
 DEFAULT_CHUNK_BYTES = 64 * 1024**2
 # Copies a lane keeps queued on its stream: one. Then a read queued behind them (a loss .item()) waits
 # for one chunk at most, and a device-wide sync (Megatron's, at every logged iteration) finds the link
-# idle between two chunks and returns, instead of waiting for every offload still to come. Measured on
-# an H100: with two, a sync right after the step waited for the whole backlog.
+# idle between two chunks and returns. Measured on an H100 (benchmarks/copy_order_probe.py): a read right
+# after a step that offloads 8.4 GB waited at most 1.1 ms with one, up to 24 ms with two.
 LANE_DEPTH = 1
-# The lanes' threads need the GIL to issue each chunk; Python hands it over only every switch interval
-# (5 ms by default), longer than a 64 MiB copy takes, so a busy main thread would starve the link.
-# MEGATRON_OFFLOAD_GIL_SWITCH_S overrides it (for measurements; see docs/engineering-notes.md).
-GIL_SWITCH_SECONDS = float(os.environ.get("MEGATRON_OFFLOAD_GIL_SWITCH_S", "0.0005"))
+# The lanes' threads need the GIL to issue each chunk; Python hands it over every switch interval (5 ms by
+# default). A shorter one (MEGATRON_OFFLOAD_GIL_SWITCH_S, seconds) lets a lane issue sooner but taxes every
+# thread of the process: measured on an H100 in Megatron-LM's loop (results/2026-11-23-scheduler-h100),
+# 0.5 ms cost 763 against 642 ms per iteration with nothing moving, and gained nothing with everything
+# moving (886 against 870 ms). So the default leaves Python's interval alone.
+GIL_SWITCH_SECONDS = float(os.environ.get("MEGATRON_OFFLOAD_GIL_SWITCH_S", "0")) or None
 
 
 class OptimizerStateOffloader:
@@ -240,7 +242,7 @@ class OptimizerStateOffloader:
             self._prefetch_lane = CopyLane("megatron-offload-prefetch", setup, max_in_flight=LANE_DEPTH)
             if on_cuda:
                 self._offload_stream, self._prefetch_stream = torch.cuda.Stream(device), torch.cuda.Stream(device)
-                if sys.getswitchinterval() > GIL_SWITCH_SECONDS:
+                if GIL_SWITCH_SECONDS and sys.getswitchinterval() > GIL_SWITCH_SECONDS:
                     logger.info(
                         "megatron-offload: GIL switch interval set to %g s for the copy lanes", GIL_SWITCH_SECONDS
                     )
