@@ -19,7 +19,7 @@ rm -rf "$results" && mkdir -p "$results"
 parts=${PARTS:-tests probe bench side integration}
 versions=("$@")
 [ ${#versions[@]} -gt 0 ] || versions=($(ls -d .whl/mcore-* 2>/dev/null | sed 's|.whl/mcore-||' | sort -V | tail -n 1))
-[ ${#versions[@]} -gt 0 ] || { echo "no megatron-core wheels under .whl/: run ../shared/device/fetch-wheels.sh"; exit 2; }
+[ ${#versions[@]} -gt 0 ] || { echo "no megatron-core wheels under .whl/: run bash scripts/fetch_wheels.sh"; exit 2; }
 # The device machine's copy of the tree has no .git: pass the commit in, e.g. MEGATRON_OFFLOAD_COMMIT=$(git rev-parse --short HEAD)
 export MEGATRON_OFFLOAD_COMMIT=${MEGATRON_OFFLOAD_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1

@@ -27,17 +27,10 @@ def _require_megatron_training() -> None:
         present = False
     if present:
         return
-    try:
-        installed = f"megatron-core {importlib.metadata.version('megatron-core')}"
-    except importlib.metadata.PackageNotFoundError:
-        installed = "no megatron-core"
-    print(
-        "pretrain_gpt.py needs megatron.training (Megatron-LM's training loop), which megatron-core wheels "
-        f"ship from 0.17 on; this Python has {installed}. Install megatron-core>=0.17 (checked: 0.19.2), "
-        "or, with megatron-core 0.14-0.16, use the library API megatron_offload.attach_offloader(optimizer) "
-        "in your own training loop.",
-        file=sys.stderr,
-    )
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from megatron_offload.launch_config import missing_training_message
+
+    print(f"pretrain_gpt.py: {missing_training_message()}", file=sys.stderr)
     sys.exit(2)
 
 
@@ -47,7 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # megatron_offload
 
 from megatron_offload.launch_config import expand_config_argv
 
-sys.argv[1:] = expand_config_argv(sys.argv[1:])
+try:
+    sys.argv[1:] = expand_config_argv(sys.argv[1:])
+except (OSError, ValueError) as error:  # a missing or malformed --config file: one line, no traceback
+    sys.exit(f"pretrain_gpt.py: {error}")
 
 import torch
 from megatron.core import mpu
