@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 from memory_report import GIB, MIB, last_error_line, parse_log  # noqa: E402
 
 from megatron_offload.launch_config import needs_one_connection  # noqa: E402
+from megatron_offload.units import cap_below_peak  # noqa: E402
 
 OFFLOAD = ["--offload-optimizer-states"]
 
@@ -158,7 +159,7 @@ def main() -> int:
                     runs[name] = {"error": "no uncapped no-offload peak or state size to cap from"}
                     continue
                 results["state_GiB"] = state
-                cap = base["peak_allocated_GiB"] - cap_share * state
+                cap = cap_below_peak(base["peak_allocated_GiB"], state, cap_share)
                 results[f"cap {cap_share:.0%} GiB"] = cap
                 full += ["--offload-gpu-memory-cap-gib", f"{cap:.3f}"]
             slug = f"log{interval}-" + re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")

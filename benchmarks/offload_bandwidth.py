@@ -32,6 +32,7 @@ import torch  # noqa: E402
 
 from megatron_offload import attach_offloader  # noqa: E402
 from megatron_offload.host_memory import HostSlab  # noqa: E402
+from megatron_offload.units import cap_below_peak  # noqa: E402
 from tests.gpu.harness import GPTShape, GPTTraining, build_gpt_training, init_distributed, state_bytes  # noqa: E402
 
 GB, GIB = 1e9, 2**30
@@ -208,7 +209,7 @@ def bench_shape(shape: GPTShape, steps: int, variants: list[str], cap: bool) -> 
     capped = {}
     if cap:
         # As on a GPU too small for the model: the no-offload peak less 90% of the state.
-        limit = int((base["peak_allocated_abs_GiB"] - 0.9 * base["state_GiB"]) * GIB)
+        limit = int(cap_below_peak(base["peak_allocated_abs_GiB"], base["state_GiB"]) * GIB)
         capped = {"cap_GiB": limit / GIB, "variants": {}}
         for name in CAPPED_VARIANTS:
             capped["variants"][name] = run_variant(shape, steps, name, cap=limit)

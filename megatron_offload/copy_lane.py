@@ -36,6 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from megatron_offload.units import MIB
+
 __all__ = ["Completion", "CopyJob", "CopyLane", "CopyLaneError"]
 
 EXIT_TIMEOUT_S = float(os.environ.get("MEGATRON_OFFLOAD_EXIT_TIMEOUT_S", "60"))
@@ -97,7 +99,7 @@ class CopyJob:
 
     @property
     def name(self) -> str:
-        return self.label or f"a copy of {self.nbytes / 2**20:.1f} MiB"
+        return self.label or f"a copy of {self.nbytes / MIB:.1f} MiB"
 
     def wait_issued(self, timeout: float | None = None) -> Completion | None:
         """Block until the copies are queued; returns their completion (for a device-side wait)."""

@@ -20,16 +20,18 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from megatron_offload import plan as planning
+from megatron_offload import streamed_step
 from megatron_offload.copy_lane import Completion, CopyJob, CopyLane, CopyLaneError
 from megatron_offload.host_memory import HostSlab, check_host_room
 from megatron_offload.plan import Chunk, Plan
 from megatron_offload.stats import OffloadStats, Timings
+from megatron_offload.units import GIB, MIB
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["OptimizerStateOffloader"]
 
-DEFAULT_CHUNK_BYTES = 64 * 1024**2
+DEFAULT_CHUNK_BYTES = 64 * MIB
 # Copies a lane keeps queued on its stream: one. Then a read queued behind them (a loss .item()) waits
 # for one chunk at most, and a device-wide sync (Megatron's, at every logged iteration) finds the link
 # idle between two chunks and returns. Measured on an H100 (benchmarks/copy_order_probe.py): a read right
@@ -85,7 +87,7 @@ class OptimizerStateOffloader:
                     "freeing it would free memory others use. Pass only tensors with storage of their own."
                 )
         if chunk_bytes <= 0:
-            raise ValueError(f"--offload-chunk-mb must be positive, got {chunk_bytes / 1024**2:g} MB")
+            raise ValueError(f"--offload-chunk-mb must be positive, got {chunk_bytes / MIB:g} MB")
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"--offload-fraction must be between 0 and 1, got {fraction}")
         self.optimizer = optimizer
@@ -97,6 +99,7 @@ class OptimizerStateOffloader:
         self.check_host_memory = check_host_memory
         self.stats = OffloadStats()
         self.plan = Plan()
+        self.kept_bytes = 0  # state kept on the GPU, counting the moments to come (see _count_plan)
         self._slab: HostSlab | None = None
         self._warned_shared: set[int] = set()
         params = planning.all_params(optimizer)
@@ -167,13 +170,15 @@ class OptimizerStateOffloader:
                 "offload plan: %d tensors in %d chunks, %.3f GiB offloaded, %.3f GiB kept on the GPU",
                 len(found),
                 len(self._chunks),
-                self.stats.offloaded_bytes / 1024**3,
-                self.stats.kept_bytes / 1024**3,
+                self.stats.offloaded_bytes / GIB,
+                self.stats.kept_bytes / GIB,
             )
 
     def _count_plan(self) -> None:
+        """Recount after the plan or its kept flags changed (not per step: the hooks read the results)."""
         self.stats.host_bytes = self.plan.host_bytes
         self.stats.kept_bytes = self.plan.kept_bytes(to_come=False)
+        self.kept_bytes = self.plan.kept_bytes()  # with Adam's moments to come: what the scheduler budgets
 
     def set_fraction(self, fraction: float) -> None:
         """Offload this share of the state from now on (whole chunks from the front): chunks no longer
@@ -223,6 +228,7 @@ class OptimizerStateOffloader:
         if self._slab is not None:
             self._slab.release()
         self.plan, self._slab = Plan(), None
+        self._count_plan()
 
     # ------------------------------------------------------------------------------- the lanes
     @property
@@ -265,7 +271,7 @@ class OptimizerStateOffloader:
                 return torch.empty(nbytes, dtype=torch.uint8, device=self._device)
             except torch.OutOfMemoryError as error:
                 raise torch.OutOfMemoryError(
-                    f"megatron-offload: not enough GPU memory to bring back {nbytes / 1024**2:.0f} MiB of "
+                    f"megatron-offload: not enough GPU memory to bring back {nbytes / MIB:.0f} MiB of "
                     "optimizer state; the state is still whole in host memory. Use --offload-prefetch step (the "
                     "step streams the state through three chunks), lower --offload-chunk-mb, or reduce the "
                     f"micro-batch size. ({error})"
@@ -396,8 +402,7 @@ class OptimizerStateOffloader:
         ``landed_only``, only chunks whose offload has landed, so the caller never waits (backward hooks).
         Returns at once with the bytes started; ``wait()`` or ``run_step()`` order the compute stream."""
         started = 0
-        # One mark for every block allocated here: no compute work is queued in between.
-        reached = self.compute_reached() if self.is_offloaded else None
+        reached = None  # one mark for every block allocated here: no compute work is queued in between
         for chunk in self._chunks:
             if not chunk.offloaded:
                 continue
@@ -405,6 +410,7 @@ class OptimizerStateOffloader:
                 break
             if landed_only and chunk.offloading is not None and not chunk.offloading.done.is_set():
                 continue
+            reached = reached or self.compute_reached()  # only when a chunk does start (hooks call this often)
             self._prefetch_chunk(chunk, ready=reached)
             started += chunk.nbytes
         if started:
@@ -431,9 +437,7 @@ class OptimizerStateOffloader:
 
     def run_step(self, after_chunk: Callable[[list[torch.Tensor]], None] | None = None) -> None:
         """The optimizer step, streamed chunk by chunk; see streamed_step.py."""
-        from megatron_offload.streamed_step import run_streamed_step
-
-        run_streamed_step(self, after_chunk)
+        streamed_step.run_streamed_step(self, after_chunk)
 
     def check_gradients(self) -> None:
         """Refuse a gradient on another device than the GPU the step runs on, before anything moves:
@@ -453,9 +457,7 @@ class OptimizerStateOffloader:
 
     def step_footprint(self) -> int:
         """Most device memory the streamed step adds beyond what is on the GPU already."""
-        from megatron_offload.streamed_step import footprint
-
-        return footprint(self)
+        return streamed_step.footprint(self)
 
     @contextlib.contextmanager
     def params_on_device(self) -> Iterator[None]:

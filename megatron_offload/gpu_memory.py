@@ -15,6 +15,8 @@ import os
 
 import torch
 
+from megatron_offload.units import GIB
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -24,7 +26,6 @@ __all__ = [
     "use_expandable_segments_by_default",
 ]
 
-GIB = 1024**3
 ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
 

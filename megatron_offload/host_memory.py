@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 from megatron_offload.progress import pin_progress
+from megatron_offload.units import GIB, MIB
 
 logger = logging.getLogger(__name__)
 
-GIB = 1024**3
 
 # Keep this much of the available host memory free for everything else the job needs.
 HOST_MEMORY_HEADROOM = 0.9
@@ -105,7 +105,7 @@ def _unregister(data_ptr: int) -> None:
 def _pageable_cost(slab: torch.Tensor, nbytes: int) -> str:
     """What moving the slab out and back once per step costs, pageable against pinned, measured on a
     sample of up to 256 MiB (a fraction of a second, once, and only when pinning was refused)."""
-    sample = min(nbytes, 256 * 2**20)
+    sample = min(nbytes, 256 * MIB)
     try:
         pageable = slab.view(-1).view(torch.uint8)[:sample]
         pinned = torch.empty(sample, dtype=torch.uint8, pin_memory=True)

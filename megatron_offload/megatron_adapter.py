@@ -36,8 +36,9 @@ from megatron_offload.config import OffloadConfig, PrefetchPolicy
 from megatron_offload.engine import OptimizerStateOffloader
 from megatron_offload.gpu_memory import expandable_segments_from_now, memory_limit_bytes
 from megatron_offload.pacing import PrefetchDuringBackward, RoomForForward
-from megatron_offload.scheduler import MIB, Peaks, StateScheduler
+from megatron_offload.scheduler import Peaks, StateScheduler
 from megatron_offload.stats import OffloadStats
+from megatron_offload.units import MIB
 
 logger = logging.getLogger(__name__)
 
@@ -257,7 +258,7 @@ class OffloadHandle:
 
     def kept_bytes(self) -> int:
         """State kept on the GPU across steps."""
-        return sum(offloader.plan.kept_bytes() for offloader in self.offloaders)
+        return sum(offloader.kept_bytes for offloader in self.offloaders)
 
     def evict(self, nbytes: int) -> int:
         """Offload kept state now (memory ran short in the forward); ``auto`` re-chooses at the next step."""

@@ -28,6 +28,7 @@ import torch
 from megatron_offload.engine import OptimizerStateOffloader
 from megatron_offload.megatron_adapter import _HANDLE_ATTR, MIB, _master_weights, distributed_optimizers
 from megatron_offload.sleep import DEFAULT_CHUNK_BYTES, Sleeper, SleepError, SleepReport
+from megatron_offload.units import GIB
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ class MegatronSleeper:
         logger.info(
             "megatron-offload: asleep (%s): %.2f GiB to host in %.3f s",
             ", ".join(parts),
-            report.nbytes / 2**30,
+            report.nbytes / GIB,
             report.seconds,
         )
         return report
@@ -151,7 +152,7 @@ class MegatronSleeper:
         for guard in self._guards:
             guard.remove()
         self._guards = []
-        logger.info("megatron-offload: awake: %.2f GiB back in %.3f s", report.nbytes / 2**30, report.seconds)
+        logger.info("megatron-offload: awake: %.2f GiB back in %.3f s", report.nbytes / GIB, report.seconds)
         return report
 
     def close(self) -> None:

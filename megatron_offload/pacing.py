@@ -12,7 +12,8 @@ from typing import Any, Protocol
 
 import torch
 
-from megatron_offload.scheduler import MIB, StateScheduler
+from megatron_offload.scheduler import StateScheduler
+from megatron_offload.units import MIB
 
 __all__ = ["PrefetchDuringBackward", "RoomForForward"]
 

@@ -13,10 +13,11 @@ from dataclasses import dataclass
 import torch
 
 from megatron_offload.host_memory import HostSlab
+from megatron_offload.units import MIB
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "ParkedBuffers", "Transfer"]
 
-DEFAULT_CHUNK_BYTES = 256 * 1024**2  # large enough that per-copy overhead is lost in the link time
+DEFAULT_CHUNK_BYTES = 256 * MIB  # large enough that per-copy overhead is lost in the link time
 ALIGN = 256  # each storage starts on this boundary in the host slab
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_offload.copy_lane import CopyJob
+from megatron_offload.units import MIB
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class Chunk:
     own_storage: list[bool] = field(default_factory=list)  # per entry, at the latest offload: not in the block
 
     def label(self, total: int) -> str:
-        return f"chunk {self.index + 1} of {total} ({self.nbytes / 1024**2:.1f} MiB, {len(self.params)} params)"
+        return f"chunk {self.index + 1} of {total} ({self.nbytes / MIB:.1f} MiB, {len(self.params)} params)"
 
 
 @dataclass

@@ -10,9 +10,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TextIO
 
+from megatron_offload.units import GIB
+
 __all__ = ["pin_progress"]
 
-GIB = 1024**3
 MIN_BYTES = GIB // 4  # below this pinning takes well under a second: say nothing
 
 

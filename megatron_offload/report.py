@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_offload.stats import OffloadStats
-
-GIB = 1024**3
+from megatron_offload.units import GIB
 
 
 @dataclass(frozen=True)

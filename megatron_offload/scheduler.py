@@ -26,10 +26,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["MIB", "GIB", "Peaks", "StateScheduler"]
+from megatron_offload.units import GIB, MIB
 
-MIB = 1024**2
-GIB = 1024**3
+__all__ = ["Peaks", "StateScheduler"]
+
 MARGIN_SHARE = 0.03  # of the limit, kept free for what no reading sees (allocator rounding, spikes)
 MIN_MARGIN_BYTES = 128 * MIB
 

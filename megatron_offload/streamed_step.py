@@ -18,6 +18,7 @@ import torch
 
 from megatron_offload import plan as planning
 from megatron_offload.plan import Chunk
+from megatron_offload.units import MIB
 
 if TYPE_CHECKING:
     from megatron_offload.engine import OptimizerStateOffloader
@@ -29,7 +30,7 @@ STAGING_CHUNKS = 3
 # Chunks already on the GPU at the step are updated in groups of about this size: one optimizer call
 # each (few launches), while the optimizer's temporaries (a foreach Adam makes some the size of a
 # moment) stay bounded instead of growing with all that came back early.
-READY_GROUP_BYTES = 512 * 1024**2
+READY_GROUP_BYTES = 512 * MIB
 
 AfterChunk = Callable[[list[torch.Tensor]], None]
 

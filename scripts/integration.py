@@ -31,6 +31,9 @@ from memory_report import GIB, MIB, expected_state_bytes
 from memory_report import parse_log as parse_megatron_log
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # megatron_offload without pip install
+from megatron_offload.units import cap_below_peak  # noqa: E402
+
 TINY = ["scripts/pretrain_gpt.py", "--config", "configs/tiny.yaml", "--log-memory-interval", "20"]
 OFFLOAD = ["--offload-optimizer-states"]
 # The larger shapes run 6 iterations instead of their config's 20, to fit the device time.
@@ -187,7 +190,7 @@ def cap_from(baseline: dict) -> float | None:
     """The cap a capped entry's offload runs get: the baseline's peak allocated less 90% of the state."""
     if baseline.get("max_allocated_MiB") is None or baseline.get("expected_state_GiB") is None:
         return None
-    return baseline["max_allocated_MiB"] * MIB / GIB - 0.9 * baseline["expected_state_GiB"]
+    return cap_below_peak(baseline["max_allocated_MiB"] * MIB / GIB, baseline["expected_state_GiB"])
 
 
 def render_table(summary: dict) -> str:

@@ -331,6 +331,7 @@ def test_a_new_fraction_moves_whole_chunks_and_keeps_values() -> None:
         assert all(chunk.offloaded for chunk in offloader._chunks if not chunk.kept)
         share = offloader.stats.offloaded_bytes / offloader.stats.host_bytes
         assert abs(share - fraction) < 0.25, (fraction, share)
+        assert offloader.kept_bytes == offloader.plan.kept_bytes()  # the hooks read this count, kept current
     offloader.wait()
     assert_same_training_state(reference, optimizer)
 
@@ -348,6 +349,7 @@ def test_eviction_offloads_kept_chunks_with_their_values() -> None:
     evicted = [chunk for chunk in offloader._chunks if chunk.offloaded]
     assert len(evicted) == 1 and not evicted[0].kept
     assert offloader.stats.kept_bytes == offloader.stats.host_bytes - evicted[0].nbytes
+    assert offloader.kept_bytes == offloader.plan.kept_bytes()
     offloader.wait()
     for p in masters:
         assert torch.equal(p, before[id(p)][0]) and torch.equal(optimizer.state[p]["exp_avg"], before[id(p)][1])

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from megatron_offload import pacing
-from megatron_offload.scheduler import GIB, MIB, Peaks, StateScheduler
+from megatron_offload.scheduler import Peaks, StateScheduler
+from megatron_offload.units import GIB, MIB
 
 
 class Ledger:

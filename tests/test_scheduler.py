@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_offload.scheduler import GIB, MIN_MARGIN_BYTES, Peaks, StateScheduler
+from megatron_offload.scheduler import MIN_MARGIN_BYTES, Peaks, StateScheduler
+from megatron_offload.units import GIB
 
 
 def scheduler(limit_gib: float) -> StateScheduler:

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from megatron_offload import attach_offloader  # noqa: E402
+from megatron_offload.units import SAVING_SHARE, cap_below_peak  # noqa: E402
 from tests.gpu.harness import GPTShape, build_gpt_training, init_distributed, state_bytes  # noqa: E402
 
 # Activations of a micro-batch (~1.5 GiB) well above the state (~0.9 GiB), as in pretraining.
@@ -83,8 +84,8 @@ def main() -> None:
     baseline = train(None)
     result: dict = {"mode": mode, "device": torch.cuda.get_device_name()}
     if mode in ("cap", "fraction"):
-        share = 0.9 if mode == "cap" else 0.5  # of the state the cap takes away from the no-offload peak
-        cap = int(baseline["peak_allocated"] - share * baseline["state_bytes"])
+        share = SAVING_SHARE if mode == "cap" else 0.5  # of the state the cap takes off the no-offload peak
+        cap = int(cap_below_peak(baseline["peak_allocated"], baseline["state_bytes"], share))
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(cap / total)
         result |= {"cap": cap, "baseline_peak_allocated": baseline["peak_allocated"]}
