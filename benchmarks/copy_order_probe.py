@@ -5,7 +5,8 @@ The copy engine serves device-to-host copies in the order they were queued, so a
 the whole copy out waits for all of it. Side by side, on the same state (Adam, fp32 masters):
 - ``all at once``: every chunk's copy out queued on a side stream in one go (the old design);
 - ``offloader, step``: the offloader's streamed step (every chunk comes back through it);
-- ``offloader, finalize``: every chunk back before the step, so the whole state leaves after it.
+- ``offloader, finalize``: every chunk back before the step, so the whole state leaves after it
+  (queued by the step, started a few at a time by the training loop's next points).
 The read is timed after the compute stream has finished the step (its own work is not counted).
 
     python benchmarks/copy_order_probe.py [--state-gb 8.4] [--json out.json]
@@ -21,7 +22,8 @@ import time
 
 import torch
 
-from megatron_offload import OptimizerStateOffloader
+from megatron_offload import OptimizerStateOffloader, streamed_step
+from megatron_offload.chunk_step import ChunkStepper
 from megatron_offload.host_memory import HostSlab
 
 GB = 1e9
@@ -61,19 +63,21 @@ def offloader_run(state_gb: float, prefetch: str, small: torch.Tensor, repeats: 
     masters = [torch.nn.Parameter(torch.randn(PARAM_NUMEL, device="cuda")) for _ in range(count)]
     optimizer = torch.optim.AdamW(masters, lr=1e-4)
     offloader = OptimizerStateOffloader(optimizer, masters)
+    stepper = ChunkStepper(optimizer)
     offloader.offload()
     waits, drains = [], []
     for step in range(repeats + 1):  # the first step creates Adam's moments
         if prefetch == "finalize":
             offloader.prefetch()
+            offloader.flush()  # as the finalize hook does: every copy back starts at once
         with offloader.params_on_device():  # offloaded masters look like GPU tensors: grads can be assigned
             for master in masters:
                 master.grad = torch.randn(master.shape, device="cuda")
-            offloader.run_step()
+            streamed_step.run(offloader, stepper)
         wait = timed_read(small)
         start = time.perf_counter()
-        pending = offloader.pending_offload_bytes
-        offloader.drain_offloads()
+        pending = offloader.leaving_bytes
+        offloader.drain()
         if step:
             waits.append(wait)
             drains.append(pending / max(time.perf_counter() - start, 1e-9) / GB)

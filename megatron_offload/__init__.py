@@ -6,9 +6,14 @@ come back on a side CUDA stream before the next step; the Adam math stays on the
 
 from megatron_offload.args import add_offload_args, config_from_args, validate_offload_args
 from megatron_offload.config import OffloadConfig, PrefetchPolicy
-from megatron_offload.engine import OptimizerStateOffloader
+from megatron_offload.engine import OffloadCopyError, OptimizerStateOffloader
 from megatron_offload.host_memory import HostMemoryError
-from megatron_offload.megatron_adapter import CHECKED_MEGATRON_CORE_VERSIONS, OffloadHandle, attach_offloader
+from megatron_offload.megatron_adapter import (
+    CHECKED_MEGATRON_CORE_VERSIONS,
+    OffloadFitError,
+    OffloadHandle,
+    attach_offloader,
+)
 from megatron_offload.megatron_sleep import MegatronSleeper, install_rl_sleep_hooks, sleep_wake_for
 from megatron_offload.sleep import SleepError, SleepReport
 from megatron_offload.stats import OffloadStats
@@ -19,6 +24,8 @@ __all__ = [
     "CHECKED_MEGATRON_CORE_VERSIONS",
     "HostMemoryError",
     "MegatronSleeper",
+    "OffloadCopyError",
+    "OffloadFitError",
     "OffloadConfig",
     "OffloadHandle",
     "OffloadStats",

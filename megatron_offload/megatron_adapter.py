@@ -32,17 +32,25 @@ from typing import Any
 import torch
 from packaging.version import Version
 
+from megatron_offload import streamed_step
+from megatron_offload.chunk_step import ChunkStepper
 from megatron_offload.config import OffloadConfig, PrefetchPolicy
 from megatron_offload.engine import OptimizerStateOffloader
 from megatron_offload.gpu_memory import expandable_segments_from_now, memory_limit_bytes
 from megatron_offload.pacing import PrefetchDuringBackward, RoomForForward
 from megatron_offload.scheduler import Peaks, StateScheduler
 from megatron_offload.stats import OffloadStats
-from megatron_offload.units import MIB
+from megatron_offload.units import GIB, MIB
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CHECKED_MEGATRON_CORE_VERSIONS", "OffloadHandle", "attach_offloader", "distributed_optimizers"]
+__all__ = [
+    "CHECKED_MEGATRON_CORE_VERSIONS",
+    "OffloadFitError",
+    "OffloadHandle",
+    "attach_offloader",
+    "distributed_optimizers",
+]
 
 CHECKED_MEGATRON_CORE_VERSIONS = ("0.16.1", "0.19.2")
 SUPPORTED_RANGE = (Version("0.14"), Version("0.20"))
@@ -137,24 +145,46 @@ class _StreamedStep:
         self.dist_opt = dist_opt
         self.offloader = offloader
         self.on_start = on_start
+        self.stepper = ChunkStepper(dist_opt.optimizer)
         self.copy_all = dist_opt._copy_main_params_to_model_params
         self.copied = False
+        self._cuts: dict[tuple[int, ...], dict[str, list]] = {}  # group lists cut to a chunk, made once
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         self.on_start()
-        self.offloader.run_step(self.copy_chunk_to_model)
+        streamed_step.run(self.offloader, self.stepper, self.copy_chunk_to_model)
         self.copied = True
 
+    def forget(self) -> None:
+        """The state was replaced (a load): cut the group lists again."""
+        self._cuts.clear()
+        self.stepper.forget()
+
     def copy_chunk_to_model(self, params: Sequence[torch.Tensor]) -> None:
-        wanted = {id(param) for param in params}
+        """megatron-core's own master-to-model copy, on its group lists cut to these params."""
+        key = tuple(id(param) for param in params)
+        cut = self._cuts.get(key)
+        if cut is None:
+            wanted = set(key)
+            cut = dict(
+                zip(
+                    self.GROUP_LISTS[:2],
+                    _cut_to(self.dist_opt.shard_fp32_from_float16_groups, self.dist_opt.model_float16_groups, wanted),
+                    strict=True,
+                )
+            )
+            cut.update(
+                zip(
+                    self.GROUP_LISTS[2:],
+                    _cut_to(self.dist_opt.shard_fp32_groups, self.dist_opt.model_fp32_groups, wanted),
+                    strict=True,
+                )
+            )
+            self._cuts[key] = cut
         saved = {name: getattr(self.dist_opt, name) for name in self.GROUP_LISTS}
         try:
-            (self.dist_opt.shard_fp32_from_float16_groups, self.dist_opt.model_float16_groups) = _cut_to(
-                saved["shard_fp32_from_float16_groups"], saved["model_float16_groups"], wanted
-            )
-            self.dist_opt.shard_fp32_groups, self.dist_opt.model_fp32_groups = _cut_to(
-                saved["shard_fp32_groups"], saved["model_fp32_groups"], wanted
-            )
+            for name, value in cut.items():
+                setattr(self.dist_opt, name, value)
             self.copy_all()
         finally:
             for name, value in saved.items():
@@ -192,6 +222,10 @@ def _check_version() -> str:
     return installed
 
 
+class OffloadFitError(RuntimeError):
+    """A setting keeps more optimizer state on the GPU than the memory limit leaves room for."""
+
+
 class _PrefetchOnFinalize:
     """Wraps a TransformerConfig's ``finalize_model_grads_func``: starts the copy back, then finalizes,
     so the copy overlaps the gradient reduction. Keeps whatever function was there."""
@@ -208,6 +242,8 @@ class _PrefetchOnFinalize:
             allocated = torch.cuda.memory_allocated() if handle.on_cuda else 0
             room = handle.scheduler.backward_room(allocated + handle.step_footprint())
             handle.prefetch(max_bytes=max(0, room) if handle.on_cuda else None)
+            for offloader in handle.offloaders:
+                offloader.flush()  # all of it now: no read of the host waits behind copies back
         return self.inner(*args, **kwargs)
 
 
@@ -227,12 +263,18 @@ class OffloadHandle:
         self.say: Callable[[str], None] = logger.info  # the Megatron hooks print on the first rank instead
         self.hook_waits = 0
         self.step_backlog_bytes = 0
-        self._chosen: int | None = None  # kept bytes `auto` chose last
+        self._chosen: int | None = None  # kept bytes chosen (`auto`) or checked (a fixed fraction) last
         self._pacer: PrefetchDuringBackward | None = None
         self._room: RoomForForward | None = None
         self._wrapped: list[tuple[Any, str, Any]] = []  # (object, attribute, what was there before)
 
     # ------------------------------------------------------------- what the hooks call (pacing.Handle)
+    def pump(self) -> None:
+        """A point of the training loop: start and retire copies, never wait (engine.pump)."""
+        for offloader in self.offloaders:
+            if not offloader.idle:
+                offloader.pump()
+
     def prefetch(self, max_bytes: int | None = None, landed_only: bool = False) -> int:
         """Start bringing state back, up to ``max_bytes`` (default: all); returns the bytes started."""
         started = 0
@@ -243,14 +285,18 @@ class OffloadHandle:
             started += offloader.prefetch(room, landed_only=landed_only)
         return started
 
+    def moves(self) -> bool:
+        """Some state leaves the GPU between steps (not all of it kept)."""
+        return any(not chunk.kept for offloader in self.offloaders for chunk in offloader.chunks)
+
     def pending_offload_bytes(self) -> int:
         """GPU bytes still held by offloads under way."""
-        return sum(offloader.pending_offload_bytes for offloader in self.offloaders)
+        return sum(offloader.leaving_bytes for offloader in self.offloaders)
 
     def drain_offloads(self, nbytes: int | None = None) -> None:
         """Block until offloads have freed ``nbytes`` of GPU memory (default: all), oldest first."""
         for offloader in self.offloaders:
-            freed = offloader.drain_offloads(nbytes)
+            freed = offloader.drain(nbytes)
             if nbytes is not None:
                 nbytes -= freed
                 if nbytes <= 0:
@@ -270,7 +316,7 @@ class OffloadHandle:
         return started
 
     def step_footprint(self) -> int:
-        return max((offloader.step_footprint() for offloader in self.offloaders), default=0)
+        return max((streamed_step.footprint(offloader) for offloader in self.offloaders), default=0)
 
     def count_hook_wait(self) -> None:
         self.hook_waits += 1
@@ -290,18 +336,38 @@ class OffloadHandle:
 
     # ------------------------------------------------------------------------------ scheduling
     def _before_step(self) -> None:
-        """Gradients are ready, forward and backward done: learn their peaks; ``auto`` chooses what stays."""
+        """Gradients are ready, forward and backward done: learn their peaks. ``auto`` chooses what stays;
+        a fixed fraction is checked once against what the limit leaves (iteration 1 ran with nothing
+        kept, so no out-of-memory error can come first)."""
         if not self.on_cuda:
             return
         peaks = Peaks(torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
         grew = self.scheduler.observe_step_start(peaks, on_gpu_at_peak=self.kept_bytes())
-        if self.auto_fraction and (self._chosen is None or grew):
-            state = sum(offloader.plan.full_bytes() for offloader in self.offloaders)
-            budget = self.scheduler.kept_budget(state)
+        if self._chosen is not None and not (grew and self.auto_fraction):
+            return
+        state = sum(offloader.plan.full_bytes() for offloader in self.offloaders)
+        budget = self.scheduler.kept_budget(state)
+        fraction = 1.0 - budget / state if state else 1.0
+        if not self.auto_fraction:
             for offloader in self.offloaders:
-                offloader.set_fraction(1.0 - budget / state if state else 1.0)
-            self._chosen = self.kept_bytes()
-            self.say(self.scheduler.explain(self._chosen, state))
+                offloader.set_fraction(self.config.fraction)
+            if self.kept_bytes() > budget:
+                kept = self.kept_bytes()
+                for offloader in self.offloaders:
+                    offloader.set_fraction(1.0)  # nothing stays: the state is whole in host memory
+                raise OffloadFitError(
+                    f"megatron-offload: --offload-fraction {self.config.fraction:g} keeps {kept / GIB:.2f} GiB of "
+                    f"optimizer state on the GPU, but the memory limit ({self.scheduler.limit() / GIB:.2f} GiB) leaves "
+                    f"{budget / GIB:.2f} GiB beside what training needs without it "
+                    f"({self.scheduler.natural.reserved / GIB:.2f} GiB reserved at its peak): use --offload-fraction "
+                    f"auto (keeps what fits), --offload-fraction {min(1.0, fraction + 0.005):.2f} or more, or "
+                    "--offload-prefetch step. The optimizer state is whole in host memory."
+                )
+        else:
+            for offloader in self.offloaders:
+                offloader.set_fraction(fraction)
+            self.say(self.scheduler.explain(self.kept_bytes(), state))
+        self._chosen = self.kept_bytes()
 
     def _after_step(self) -> None:
         """The state has left the step: wait until no more is pending than the next forward has room for."""
@@ -310,7 +376,9 @@ class OffloadHandle:
         budget = self.scheduler.backlog_budget(self.kept_bytes())
         self.step_backlog_bytes = self.pending_offload_bytes()
         if self.step_backlog_bytes > budget:
-            self.drain_offloads(self.step_backlog_bytes - budget)  # on the host, at the end of the step
+            # On the host: the next forward needs this memory, and only a landed copy frees it. Only
+            # under a limit too tight for copies to overlap the forward (uncapped, the budget is large).
+            self.drain_offloads(self.step_backlog_bytes - budget)
         self.scheduler.observe_step_end(Peaks(torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
 
     def read_stats(self) -> OffloadStats:
@@ -386,8 +454,11 @@ class OffloadHandle:
                         stack.enter_context(offloader.params_on_device())
                     return step(*args, **kwargs)
             finally:
-                # Successful, skipped or failed: the state leaves in one piece, never half-way.
-                self.offload()
+                # Successful, skipped or failed: the state leaves in one piece, never half-way; its copies
+                # start at the next points of the loop, a few at a time.
+                for offloader in self.offloaders:
+                    offloader.offload(now=False)
+                    offloader.pump()
                 self._after_step()
                 self._install_finalize_hooks()
                 for hooks in (self._pacer, self._room):
@@ -396,19 +467,6 @@ class OffloadHandle:
                 self.in_step = False
 
         return step_with_offload
-
-    # ------------------------------------------------------------------ sleep and wake (megatron_sleep.py)
-    def sleep(self, *, optimizer: bool = True, grads: bool = False, params: bool = False) -> Any:
-        """Hand the GPU to another process between steps (an RL rollout); see megatron_sleep.py."""
-        from megatron_offload.megatron_sleep import sleep_wake_for  # it imports this module
-
-        return sleep_wake_for(self.optimizer).sleep(optimizer=optimizer, grads=grads, params=params)
-
-    def wake(self) -> Any:
-        """Bring back, bitwise, what the last ``sleep()`` moved; the next step can run at once."""
-        from megatron_offload.megatron_sleep import sleep_wake_for
-
-        return sleep_wake_for(self.optimizer).wake()
 
 
 def attach_offloader(optimizer: Any, config: OffloadConfig | None = None, **overrides: Any) -> OffloadHandle:
@@ -439,7 +497,9 @@ def attach_offloader(optimizer: Any, config: OffloadConfig | None = None, **over
             masters,
             keep_state_keys=keep,
             chunk_bytes=int(config.chunk_mb * MIB),
-            fraction=1.0 if handle.auto_fraction else config.fraction,  # `auto`: everything, until measured
+            # Everything leaves until iteration 1 has shown what training needs without state: then
+            # `auto` chooses what stays, and a fixed fraction is checked against the limit.
+            fraction=1.0 if handle.auto_fraction or handle.on_cuda else config.fraction,
             pin_memory=config.pin_memory,
             check_host_memory=config.check_host_memory,
         )
@@ -448,7 +508,8 @@ def attach_offloader(optimizer: Any, config: OffloadConfig | None = None, **over
         waiting = ("step_with_ready_grads",) if not handle.streamed else ()
         for name in (*waiting, *STATE_ACCESS_METHODS):
             if hasattr(dist_opt, name):
-                handle._wrap_method(dist_opt, name, lambda inner, o=offloader: _after_wait(inner, o))
+                loads = name.startswith("load")
+                handle._wrap_method(dist_opt, name, lambda inner, o=offloader, r=loads: _after_wait(inner, o, r))
         handle._wrap_method(dist_opt, "sharded_state_dict", lambda inner, o=offloader: _save_from_host(inner, o))
         if handle.streamed:
             streamed = _StreamedStep(dist_opt, offloader, handle._on_step_start)
@@ -475,11 +536,17 @@ def attach_offloader(optimizer: Any, config: OffloadConfig | None = None, **over
     return handle
 
 
-def _after_wait(method: Callable[..., Any], offloader: OptimizerStateOffloader) -> Callable[..., Any]:
+def _after_wait(method: Callable[..., Any], offloader: OptimizerStateOffloader, replaces: bool) -> Callable[..., Any]:
+    """The state back on the GPU before ``method`` reads or writes it; after a load (``replaces``), the
+    state's tensors may be new ones, so the next step plans afresh."""
+
     def wait_then_call(*args: Any, **kwargs: Any) -> Any:
         if id(offloader) not in _saving:  # inside a save, reads are served from host memory
             offloader.wait()
-        return method(*args, **kwargs)
+        try:
+            return method(*args, **kwargs)
+        finally:
+            offloader.plan_dirty = offloader.plan_dirty or replaces
 
     return wait_then_call
 

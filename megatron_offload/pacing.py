@@ -1,8 +1,12 @@
-"""Memory-paced hooks of the training loop: when state may come back during backward, and when the
-forward must free memory after all. Both read the caching allocator from hooks (sampled, a few dozen
-readings per iteration), talk to the handle only, and take their limits from its scheduler. They know
-nothing of Megatron: the adapter hands them the model chunks, the handle and how to tell the last
-micro-batch.
+"""The training loop's points: hooks where the copies move, and where memory is paced.
+
+Both kinds of hook are installed on about ``SAMPLES`` places per pass (every k-th module with
+parameters of its own, every k-th parameter), so they cost a few dozen calls per forward and per
+backward. Each first lets the copies move (``handle.pump()``: start what may start, retire what has
+landed, never wait), then paces memory: when state may come back during backward, and when the
+forward must free memory after all. They talk to the handle only and take their limits from its
+scheduler; they know nothing of Megatron: the adapter hands them the model chunks, the handle and how
+to tell the last micro-batch.
 """
 
 from __future__ import annotations
@@ -20,13 +24,17 @@ __all__ = ["PrefetchDuringBackward", "RoomForForward"]
 # Least room kept free under the level backward started from when bringing state back during
 # backward (see PrefetchDuringBackward for the learned margin).
 PACING_MIN_MARGIN_BYTES = 64 * MIB
-SAMPLES = 64  # memory readings per backward, and per forward
+SAMPLES = 64  # hooks per backward, and per forward
 
 
 class Handle(Protocol):
     """What the hooks need of an OffloadHandle."""
 
     scheduler: StateScheduler
+
+    def pump(self) -> None: ...
+
+    def moves(self) -> bool: ...
 
     def prefetch(self, max_bytes: int | None = None, landed_only: bool = False) -> int: ...
 
@@ -76,14 +84,14 @@ class PrefetchDuringBackward:
         self.margin: int | None = None  # None until one backward has been seen
         self.at_step: int | None = None  # most memory held when a step starts, without what we brought
         self.step_started = False
-        self.step_extra = 0  # what the step adds on top (OptimizerStateOffloader.step_footprint)
-        self.calls = 0
-        self.every = 1
+        self.step_extra = 0  # what the step adds on top (streamed_step.footprint)
+        self.sampled = False  # this backward was read
+        self.active = True  # some state leaves the GPU (else nothing comes back: the hooks only pump)
         self.first_param: int | None = None  # id of the param whose gradient is ready first in a backward
         self.backwards = 0  # backwards begun in this iteration
         self.backwards_per_iteration: int | None = None
-        params = {id(p): p for chunk in model_chunks for p in chunk.parameters() if p.requires_grad}
-        self.hooks = [param.register_post_accumulate_grad_hook(self.on_grad_ready) for param in params.values()]
+        params = list({id(p): p for chunk in model_chunks for p in chunk.parameters() if p.requires_grad}.values())
+        self.hooks = [param.register_post_accumulate_grad_hook(self.on_grad_ready) for param in sampled(params)]
         self.on_gpu = torch.cuda.is_available()
 
     def on_grad_ready(self, param: torch.Tensor) -> None:
@@ -91,11 +99,12 @@ class PrefetchDuringBackward:
             self.first_param = id(param)
         if id(param) == self.first_param:
             self.backwards += 1
-        if not self.on_gpu or self.backwards != self.backwards_per_iteration or not self.in_last_microbatch():
+        if not self.on_gpu:
             return
-        self.calls += 1
-        if self.calls % self.every:
+        self.handle.pump()
+        if not self.active or self.backwards != self.backwards_per_iteration or not self.in_last_microbatch():
             return
+        self.sampled = True
         allocated = allocated_bytes()
         natural = allocated - self.brought
         if self.previous is not None:
@@ -126,12 +135,12 @@ class PrefetchDuringBackward:
         """Called after every step: learn from the backward just seen, start afresh."""
         if self.backwards_per_iteration is None and self.backwards:
             self.backwards_per_iteration = self.backwards  # the next iteration samples its last backward
-        elif self.calls:
-            self.every = max(1, self.calls // SAMPLES)
+        elif self.sampled:
             self.margin = max(PACING_MIN_MARGIN_BYTES, 2 * self.largest_drop)
-        self.calls, self.level, self.previous, self.brought, self.backwards = 0, 0, None, 0, 0
+        self.sampled, self.level, self.previous, self.brought, self.backwards = False, 0, None, 0, 0
         self.step_started = False
         self.step_extra = self.handle.step_footprint()
+        self.active = self.handle.moves()
 
     def remove(self) -> None:
         for hook in self.hooks:
@@ -159,28 +168,28 @@ class RoomForForward:
             for module in chunk.modules()
             if next(module.parameters(recurse=False), None) is not None
         }
-        self.hooks = [module.register_forward_pre_hook(self.before_forward) for module in modules.values()]
+        self.hooks = [
+            module.register_forward_pre_hook(self.before_forward) for module in sampled(list(modules.values()))
+        ]
         self.on_gpu = torch.cuda.is_available()
         self.calls = 0
         self.learning = True  # the first iteration: read at every hook, record the profile
         self.profile: list[int] = []  # highest natural reading up to each hook of the first iteration
-        self.every = 1
         self.waited = 0  # times a forward waited (for tests and the log)
 
     def before_forward(self, module: torch.nn.Module, args: Any) -> None:
         if not self.on_gpu:
             return
+        self.handle.pump()
         self.calls += 1
-        if not self.learning and self.calls % self.every:
-            return
         pending, kept = self.handle.pending_offload_bytes(), self.handle.kept_bytes()
+        if not (self.learning or ((pending or kept) and self.profile)):
+            return  # nothing on the GPU that could be freed: no reading needed
         natural = allocated_bytes() - pending - kept
         if self.learning:
             self.profile.append(max(natural, self.profile[-1] if self.profile else natural))
             if pending:  # nothing learned yet: let everything land first
                 self._wait(None)
-            return
-        if not (pending or kept) or not self.profile:
             return
         grown = max(0, natural - self.profile[min(self.calls, len(self.profile)) - 1])
         excess = self.handle.scheduler.forward_excess(pending + kept, grown)
@@ -199,16 +208,20 @@ class RoomForForward:
         self.handle.drain_offloads(nbytes)
 
     def new_iteration(self) -> None:
-        """Called after every step: from the second iteration on, about SAMPLES readings per forward."""
+        """Called after every step: the first forward's profile is complete."""
         if self.learning and self.calls:
             self.learning = False
-            self.every = max(1, self.calls // SAMPLES)
         self.calls = 0
 
     def remove(self) -> None:
         for hook in self.hooks:
             hook.remove()
         self.hooks.clear()
+
+
+def sampled(items: list) -> list:
+    """About SAMPLES of ``items``, evenly spread, the first always among them."""
+    return items[:: max(1, len(items) // SAMPLES)]
 
 
 def allocated_bytes() -> int:

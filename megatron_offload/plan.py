@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from megatron_offload.copy_lane import CopyJob
 from megatron_offload.units import MIB
 
 logger = logging.getLogger(__name__)
@@ -48,12 +48,11 @@ class Chunk:
     nbytes: int  # size of its device block
     expected: int = 0  # its size once Adam's first step has added the moments (the plan reserved room)
     kept: bool = False  # stays on the GPU across steps (offload fraction below 1, or chosen by `auto`)
-    offloaded: bool = False
-    gpu: torch.Tensor | None = None  # uint8 device block the entries view while on the GPU (None: their own)
-    prefetching: CopyJob | None = None  # copy to the GPU not yet waited for by the compute stream
-    touched: bool = False  # the compute stream may have changed it since it came back
-    offloading: CopyJob | None = None  # latest copy to host; once done the host copy is whole and may be read
-    own_storage: list[bool] = field(default_factory=list)  # per entry, at the latest offload: not in the block
+    on_gpu: bool = True  # its tensors point at GPU memory (its block, or storage of their own), else at the slab
+    block: torch.Tensor | None = None  # uint8 device block the entries view while on the GPU (None: their own)
+    ready: Any = None  # event the compute stream waits for before using the block (a copy back, or one out reading it)
+    touched: bool = True  # the compute stream may have changed it since its host copy was made
+    copy: Any = None  # the engine's copy of this chunk that is queued or in flight, if any
 
     def label(self, total: int) -> str:
         return f"chunk {self.index + 1} of {total} ({self.nbytes / MIB:.1f} MiB, {len(self.params)} params)"

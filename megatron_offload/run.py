@@ -19,6 +19,7 @@ import torch
 
 from megatron_offload.args import add_offload_args
 from megatron_offload.launch_config import NO_CUDA, expand_config_argv
+from megatron_offload.megatron_adapter import OffloadFitError
 from megatron_offload.megatron_training import MissingMegatronTraining, install_training_hooks
 
 USAGE = "usage: python -m megatron_offload.run SCRIPT [--config FILE.yaml] [SCRIPT ARGS...]"
@@ -50,7 +51,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sys.argv = [script, *script_args]
     sys.path.insert(0, str(Path(script).resolve().parent))
-    runpy.run_path(script, run_name="__main__")
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except OffloadFitError as error:  # a setting that cannot fit: one line, the state is whole on the host
+        print(error, file=sys.stderr, flush=True)
+        return 2
     return 0
 
 

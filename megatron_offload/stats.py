@@ -1,19 +1,16 @@
 """What the offloader measured: running totals, and the CUDA-event timings that fill them.
 
-Copy and wait times are read from CUDA events once they have completed, never by a sync. Events are
-added by the copy lanes' threads and by the main thread, and read by the main thread.
+Copy and wait times are read from CUDA events once they have completed, never by a sync.
 """
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
-
-import torch
+from typing import Any
 
 __all__ = ["OffloadStats", "Timing", "Timings"]
 
-KINDS = ("offload", "prefetch", "exposed")
+KINDS = ("offload", "prefetch", "exposed")  # copies out, copies back, the compute stream waiting for one
 
 
 @dataclass
@@ -57,46 +54,30 @@ class OffloadStats:
 
 @dataclass
 class Timing:
-    """One timed span; its events are filled in when the work is queued (a lane may do that later)."""
+    """One timed span on the device, between two CUDA events."""
 
     kind: str  # one of KINDS
     step: int  # the optimizer step it belongs to
-    start: torch.cuda.Event | None = None
-    end: torch.cuda.Event | None = None
-
-    def record_start(self, stream: torch.cuda.Stream) -> None:
-        self.start = torch.cuda.Event(enable_timing=True)
-        self.start.record(stream)
-
-    def record_end(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
-        end = torch.cuda.Event(enable_timing=True)
-        end.record(stream)
-        self.end = end  # set last: a harvest that sees it may read both events
-        return end
+    start: Any
+    end: Any
 
 
 class Timings:
     """Adds completed timings into ``stats.<kind>_seconds`` and, per step, ``stats.last_<kind>_seconds``."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
         self._pending: list[Timing] = []
         self._per_step: dict[str, dict[int, float]] = {kind: {} for kind in KINDS}
 
-    def add(self, kind: str, step: int) -> Timing:
-        """A span of ``step`` to be timed; counted once its events are recorded and completed."""
-        timing = Timing(kind, step)
-        with self._lock:
-            self._pending.append(timing)
-        return timing
+    def add(self, kind: str, step: int, start: Any, end: Any) -> None:
+        """A span of ``step`` between two recorded events; counted once both have completed."""
+        self._pending.append(Timing(kind, step, start, end))
 
     def harvest(self, stats: OffloadStats) -> None:
-        """Add up the timings whose events have completed; keep the rest for a later call."""
-        with self._lock:
-            timings, self._pending = self._pending, []
+        """Add up the timings whose events have completed (``query``, never a wait); keep the rest."""
         waiting = []
-        for timing in timings:
-            if timing.end is None or not timing.end.query():
+        for timing in self._pending:
+            if not timing.end.query():
                 waiting.append(timing)
                 continue
             seconds = timing.start.elapsed_time(timing.end) / 1000
@@ -104,9 +85,8 @@ class Timings:
             setattr(stats, name, getattr(stats, name) + seconds)
             per_step = self._per_step[timing.kind]
             per_step[timing.step] = per_step.get(timing.step, 0.0) + seconds
-        with self._lock:
-            self._pending = waiting + self._pending
-            unfinished = {timing.step for timing in self._pending}
+        self._pending = waiting
+        unfinished = {timing.step for timing in waiting}
         # A step's "last" figure is final once none of its copies is still running.
         for kind, per_step in self._per_step.items():
             complete = [step for step in per_step if step not in unfinished]

@@ -58,6 +58,7 @@ from megatron.training.training import pretrain
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
 import megatron_offload
+from megatron_offload.megatron_adapter import OffloadFitError  # noqa: E402
 from megatron_offload.megatron_training import install_training_hooks
 
 
@@ -182,4 +183,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except OffloadFitError as error:  # a setting that cannot fit: one line, the state is whole on the host
+        print(error, file=sys.stderr, flush=True)
+        sys.exit(2)

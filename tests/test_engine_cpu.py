@@ -9,9 +9,10 @@ import logging
 import pytest
 import torch
 
-from megatron_offload import HostMemoryError, OptimizerStateOffloader, host_memory
+from megatron_offload import HostMemoryError, OffloadCopyError, OptimizerStateOffloader, host_memory, streamed_step
+from megatron_offload.chunk_step import ChunkStepper, RestrictedStep
 from megatron_offload.plan import ALIGN
-from megatron_offload.streamed_step import RestrictedStep
+from megatron_offload.streams import HostStreams
 
 
 def adam_with_masters(sizes: tuple[int, ...] = (37, 1000, 5)) -> tuple[torch.optim.AdamW, list[torch.Tensor]]:
@@ -32,6 +33,16 @@ def offloader_for(optimizer: torch.optim.Optimizer, masters: list[torch.Tensor],
     return OptimizerStateOffloader(optimizer, masters, pin_memory=False, check_host_memory=False, **kwargs)
 
 
+def run_step(offloader: OptimizerStateOffloader, after_chunk=None) -> None:
+    """The streamed step, with one stepper per offloader (its lists are made once per plan), then the
+    copies it queued have landed, as they have once the training loop's next points have passed."""
+    stepper = offloader.__dict__.setdefault("_test_stepper", ChunkStepper(offloader.optimizer))
+    try:
+        streamed_step.run(offloader, stepper, after_chunk)
+    finally:
+        offloader.drain()
+
+
 def in_host_slab(offloader: OptimizerStateOffloader, tensor: torch.Tensor) -> bool:
     """True when ``tensor`` now holds its host copy (on CPU the device and host are both memory, so
     where the data lives is the only difference there is)."""
@@ -39,7 +50,7 @@ def in_host_slab(offloader: OptimizerStateOffloader, tensor: torch.Tensor) -> bo
 
 
 def entries(offloader: OptimizerStateOffloader) -> list:
-    return [entry for chunk in offloader._chunks for entry in chunk.entries]
+    return [entry for chunk in offloader.chunks for entry in chunk.entries]
 
 
 def aligned(nbytes: int) -> int:
@@ -274,10 +285,10 @@ def test_streamed_step_matches_the_plain_step_bit_for_bit(prefetch_bytes: int | 
         set_grads(offloaded, step)
         offloader.prefetch(max_bytes=prefetch_bytes)
         with offloader.params_on_device():
-            offloader.run_step()
+            run_step(offloader)
         assert offloader.is_offloaded
-        assert all(chunk.offloaded is not chunk.kept for chunk in offloader._chunks)  # kept ones stay
-    assert len(offloader._chunks) > (3 if fraction == 1.0 else 1)
+        assert all((not chunk.on_gpu) is not chunk.kept for chunk in offloader.chunks)  # kept ones stay
+    assert len(offloader.chunks) > (3 if fraction == 1.0 else 1)
     if prefetch_bytes == 0:
         assert offloader.stats.bytes_streamed >= 4 * offloader.stats.offloaded_bytes  # steps 2-5 streamed it all
     offloader.wait()
@@ -291,7 +302,7 @@ def test_chunks_hold_whole_parameters_and_respect_the_size() -> None:
     offloader.offload()
     owner_of = {id(p): p for p in masters} | {id(v): p for p in masters for v in optimizer.state[p].values()}
     owners = {}
-    for index, chunk in enumerate(offloader._chunks):
+    for index, chunk in enumerate(offloader.chunks):
         largest_param = max(aligned(p.numel() * 4) for p in chunk.params)
         assert chunk.nbytes < 2000 + 3 * largest_param  # closes at the first param boundary past the size
         for entry in chunk.entries:
@@ -307,7 +318,7 @@ def test_fraction_keeps_the_rest_on_the_device() -> None:
     total = offloader.stats.host_bytes  # every byte is planned, so that kept state can leave at once
     assert 0.3 * total < offloader.stats.offloaded_bytes < 0.7 * total
     assert offloader.stats.kept_bytes == total - offloader.stats.offloaded_bytes
-    kept = [p for chunk in offloader._chunks if chunk.kept for p in chunk.params]
+    kept = [p for chunk in offloader.chunks if chunk.kept for p in chunk.params]
     assert kept and all(not in_host_slab(offloader, p) for p in kept)
     none = offloader_for(*many_masters(), fraction=0.0)
     none.offload()
@@ -325,10 +336,10 @@ def test_a_new_fraction_moves_whole_chunks_and_keeps_values() -> None:
         reference.step()
         set_grads(optimizer, step)
         with offloader.params_on_device():
-            offloader.run_step()
-        kept = [chunk for chunk in offloader._chunks if chunk.kept]
-        assert all(not chunk.offloaded for chunk in kept)  # newly kept chunks came back through the step
-        assert all(chunk.offloaded for chunk in offloader._chunks if not chunk.kept)
+            run_step(offloader)
+        kept = [chunk for chunk in offloader.chunks if chunk.kept]
+        assert all(chunk.on_gpu for chunk in kept)  # newly kept chunks came back through the step
+        assert all((not chunk.on_gpu) for chunk in offloader.chunks if not chunk.kept)
         share = offloader.stats.offloaded_bytes / offloader.stats.host_bytes
         assert abs(share - fraction) < 0.25, (fraction, share)
         assert offloader.kept_bytes == offloader.plan.kept_bytes()  # the hooks read this count, kept current
@@ -345,8 +356,8 @@ def test_eviction_offloads_kept_chunks_with_their_values() -> None:
     assert offloader.stats.kept_bytes == offloader.stats.host_bytes and not offloader.is_offloaded
     started = offloader.evict(1)
     assert 0 < started < offloader.stats.host_bytes  # the first kept chunk, not all of them
-    offloader.drain_offloads()
-    evicted = [chunk for chunk in offloader._chunks if chunk.offloaded]
+    offloader.drain()
+    evicted = [chunk for chunk in offloader.chunks if (not chunk.on_gpu)]
     assert len(evicted) == 1 and not evicted[0].kept
     assert offloader.stats.kept_bytes == offloader.stats.host_bytes - evicted[0].nbytes
     assert offloader.kept_bytes == offloader.plan.kept_bytes()
@@ -361,12 +372,11 @@ def test_a_gradient_on_the_wrong_device_is_refused_before_anything_moves(monkeyp
     offloader.offload()
     set_grads(optimizer, 0)
     # The grads are on the CPU; pretend the step runs on a GPU (what the probe got wrong).
-    monkeypatch.setattr(offloader, "_device", torch.device("cuda", 0))
-    monkeypatch.setattr(type(offloader), "_on_cuda", property(lambda self: True))
-    chunks_before = [chunk.offloaded for chunk in offloader._chunks]
+    monkeypatch.setattr(offloader, "device", torch.device("cuda", 0))
+    chunks_before = [(not chunk.on_gpu) for chunk in offloader.chunks]
     with pytest.raises(ValueError, match=r"gradient is on cpu but its optimizer step runs on cuda:0"):
-        offloader.run_step()
-    assert [chunk.offloaded for chunk in offloader._chunks] == chunks_before
+        run_step(offloader)
+    assert [(not chunk.on_gpu) for chunk in offloader.chunks] == chunks_before
 
 
 def test_a_chunk_that_came_back_unused_is_dropped_not_copied() -> None:
@@ -385,7 +395,6 @@ def test_exception_in_the_streamed_step_leaves_everything_offloaded() -> None:
     take_step(optimizer, 0)
     offloader = offloader_for(optimizer, masters, chunk_bytes=2000)
     offloader.offload()
-    offloader.host_copies_ready()  # the copies out run on the lane's thread: read once they have landed
     before = {id(t): t.clone() for t in (e.tensor for e in entries(offloader))}
     calls = []
 
@@ -396,12 +405,15 @@ def test_exception_in_the_streamed_step_leaves_everything_offloaded() -> None:
 
     set_grads(optimizer, 1)
     with pytest.raises(RuntimeError, match="injected"):
-        offloader.run_step(fail_on_third_chunk)
-    assert all(chunk.offloaded for chunk in offloader._chunks)
+        run_step(offloader, fail_on_third_chunk)
+    # Everything is leaving: out already, or queued for the next points, never half-way.
+    assert all(not chunk.on_gpu or chunk.copy is not None for chunk in offloader.chunks)
+    offloader.drain()
+    assert all(not chunk.on_gpu for chunk in offloader.chunks)
     offloader.wait()
     updated = {id(p) for params in calls for p in params}
     assert len(updated) < len(masters)  # the failure came before the last chunk
-    for chunk in offloader._chunks:
+    for chunk in offloader.chunks:
         chunk_updated = any(id(p) in updated for p in chunk.params)
         for entry in chunk.entries:  # updated chunks kept their update, the others their old values
             assert torch.equal(entry.tensor, before[id(entry.tensor)]) != chunk_updated
@@ -448,10 +460,10 @@ def test_adam_first_moments_join_their_chunks_without_a_new_plan() -> None:
         master.requires_grad_(False)  # as Megatron's masters: Adam steps them, their grads set by hand
     offloader = offloader_for(optimizer, masters, chunk_bytes=6000)
     offloader.offload()  # at attach: only the masters exist
-    chunks, slab = list(offloader._chunks), offloader._slab
+    chunks, slab = list(offloader.chunks), offloader._slab
     set_grads(optimizer, 0)
-    offloader.run_step()  # Adam's first step creates the moments chunk by chunk
-    assert offloader._chunks == chunks and offloader._slab is slab  # same plan, same pinned slab
+    run_step(offloader)  # Adam's first step creates the moments chunk by chunk
+    assert offloader.chunks == chunks and offloader._slab is slab  # same plan, same pinned slab
     assert all(in_host_slab(offloader, optimizer.state[p][key]) for p in masters for key in ("exp_avg", "exp_avg_sq"))
     assert offloader.stats.host_bytes == sum(3 * aligned(m.numel() * 4) for m in masters)
     assert all(len(chunk.entries) == 3 * len(chunk.params) for chunk in chunks)
@@ -464,40 +476,30 @@ def test_params_without_an_offloaded_master_get_their_moments_planned(offloaded_
     optimizer, masters = many_masters()
     offloader = offloader_for(optimizer, masters[offloaded_masters], chunk_bytes=6000)
     offloader.offload()
-    chunks = list(offloader._chunks)
+    chunks = list(offloader.chunks)
     set_grads(optimizer, 0)
-    offloader.run_step()
-    assert offloader._chunks == chunks  # no new plan, so nothing came back whole
+    run_step(offloader)
+    assert offloader.chunks == chunks  # no new plan, so nothing came back whole
     assert all(in_host_slab(offloader, optimizer.state[p]["exp_avg_sq"]) for p in masters)
     assert [in_host_slab(offloader, p) for p in masters] == [i in range(7)[offloaded_masters] for i in range(7)]
     assert offloader.stats.offloads == (2 if offloaded_masters.stop else 1)
 
 
-def test_a_failed_offload_points_every_tensor_back_at_its_gpu_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    from megatron_offload.copy_lane import CopyLaneError
+def test_a_failed_offload_points_every_tensor_back_at_its_gpu_memory() -> None:
+    class FailingOffloads(HostStreams):
+        def copy(self, direction, pairs, after):
+            if direction == "offload":
+                raise RuntimeError("injected copy failure")
+            return super().copy(direction, pairs, after)
 
     optimizer, masters = many_masters()
-    offloader = offloader_for(optimizer, masters, chunk_bytes=2000)
+    offloader = offloader_for(optimizer, masters, chunk_bytes=2000, streams=FailingOffloads())
     take_step(optimizer, 0)  # the moments exist, each in storage of its own
     before = {id(t): t.clone() for p in masters for t in (p, *optimizer.state[p].values()) if t.dim()}
-    issuer = offloader._issuer
-
-    def failing(kind: str, stream, copies):
-        issue = issuer(kind, stream, copies)
-        if kind != "offload":
-            return issue
-
-        def broken():
-            raise RuntimeError("injected copy failure")
-
-        return broken
-
-    monkeypatch.setattr(offloader, "_issuer", failing)
-    offloader.offload()
-    with pytest.raises(CopyLaneError, match=r"chunk 1 of \d+ .*GPU to host.*injected copy failure"):
-        offloader.host_copies_ready()
-    failed = offloader._chunks[0]
-    assert not failed.offloaded
+    with pytest.raises(OffloadCopyError, match=r"chunk 1 of \d+ .*GPU to host.*injected copy failure"):
+        offloader.offload()
+    failed = offloader.chunks[0]
+    assert failed.on_gpu
     for entry in failed.entries:
         assert not in_host_slab(offloader, entry.tensor)  # back at the memory that still holds the values
         assert torch.equal(entry.tensor, before[id(entry.tensor)])

@@ -1,7 +1,7 @@
 """The forward's hooks without a GPU: allocator readings and the memory limit are the test's, the
 offloads a ledger the hooks drain. What it proves: the first forward records the profile and lets
 everything land; a later forward as forecast never waits; one that grew waits for just what it needs,
-then offloads kept state; readings are sampled once the profile is known."""
+then offloads kept state; hooks sit on about SAMPLES modules and each lets the copies move."""
 
 from __future__ import annotations
 
@@ -23,6 +23,13 @@ class Ledger:
         self.drained: list[int | None] = []
         self.evicted: list[int] = []
         self.waits = 0
+        self.pumps = 0
+
+    def pump(self) -> None:
+        self.pumps += 1
+
+    def moves(self) -> bool:
+        return True
 
     def pending_offload_bytes(self) -> int:
         return sum(self.pieces)
@@ -116,13 +123,13 @@ def test_a_forward_that_grew_waits_for_just_what_it_needs_then_evicts(room) -> N
     assert ledger.evicted and ledger.kept == 0 and ledger.drained[-1] is None
 
 
-def test_readings_are_sampled_once_the_profile_is_known(room, monkeypatch: pytest.MonkeyPatch) -> None:
-    hooks, ledger, allocated, model = room
+def test_hooks_sit_on_about_samples_modules_and_each_lets_the_copies_move(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pacing, "SAMPLES", 2)
-    learn(hooks, ledger, allocated, model)
-    assert hooks.every == 2
-    reads = []
-    monkeypatch.setattr(pacing, "allocated_bytes", lambda: reads.append(1) or PROFILE[0])
-    ledger.kept = GIB
-    forward(model, allocated, PROFILE)
-    assert len(reads) == 2  # every second hook
+    ledger = Ledger(10 * GIB)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(4)])
+    hooks = pacing.RoomForForward(ledger, [model])
+    hooks.on_gpu = True
+    assert len(hooks.hooks) == 2  # every second module with parameters of its own
+    monkeypatch.setattr(pacing, "allocated_bytes", lambda: PROFILE[0])
+    model(torch.zeros(1, 2))
+    assert ledger.pumps == 2  # each hook is a point where copies start and land

@@ -112,7 +112,7 @@ def test_bitwise_parity_with_a_skipped_step(
     assert STEPS - 1 + offload_master_weights <= stats.offloads <= STEPS + offload_master_weights
     assert stats.gpu_bytes_freed > 0
     if chunk_mb < 1:
-        assert min(len(offloader._chunks) for offloader in handle.offloaders) > 10
+        assert min(len(offloader.chunks) for offloader in handle.offloaders) > 10
     if prefetch is PrefetchPolicy.STEP:
         assert stats.bytes_streamed > (STEPS - 3) * stats.host_bytes  # every step after the first streams it all
     handle.wait()

@@ -1,0 +1,134 @@
+"""The optimizer's update of a subset of its params, bitwise equal to one ``step()`` over all of them.
+
+The streamed step updates the state chunk by chunk, as each arrives. For torch's Adam and AdamW (what
+megatron-core builds without TransformerEngine or apex) a chunk is one call of torch's own functional
+``adam`` per param group, with the lists made once per plan: one fused or foreach launch sequence per
+chunk, the same kernels ``step()`` runs, and none of its per-call walks. Any other optimizer, and a
+param whose state does not exist yet (its first step creates it), goes through ``RestrictedStep``:
+the optimizer's own ``step()`` with its param groups cut to the chunk. Both are bitwise equal to one
+call over all params for optimizers that update each param from its own state and gradient (Adam,
+AdamW, SGD), not for those that mix params (LAMB's global norm).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Hashable, Sequence
+
+import torch
+
+__all__ = ["ChunkStepper", "RestrictedStep"]
+
+
+class RestrictedStep:
+    """Runs ``optimizer.step()`` over a subset of its params, as if it ran once.
+
+    Every call sees the param-group settings as they were when the step began (``begin()``): apex's
+    and TransformerEngine's FusedAdam count steps per group (``group["step"] += 1``), so without this a
+    step cut into five chunks would count five steps.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, step: Callable[[], object] | None = None) -> None:
+        self.optimizer = optimizer
+        # The class's step: an instance attribute ``step`` may be a wrapper that calls us.
+        self.step = step or functools.partial(type(optimizer).step, optimizer)
+        self.begin()
+
+    def begin(self) -> None:
+        """Take the group settings as they are now: the start of one optimizer step."""
+        self.settings = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+
+    def __call__(self, params: Sequence[torch.Tensor]) -> None:
+        wanted = {id(param) for param in params}
+        groups = self.optimizer.param_groups
+        every_param = [group["params"] for group in groups]
+        try:
+            for group, settings, group_params in zip(groups, self.settings, every_param, strict=True):
+                for key in [key for key in group if key != "params" and key not in settings]:
+                    del group[key]  # added by an earlier chunk's call, e.g. a first "step"
+                group.update(settings)
+                group["params"] = [param for param in group_params if id(param) in wanted]
+            self.step()
+        finally:
+            for group, group_params in zip(groups, every_param, strict=True):
+                group["params"] = group_params
+
+
+def _functional_adam_applies(optimizer: torch.optim.Optimizer) -> bool:
+    """torch's own Adam or AdamW, unmodified, whose groups carry every argument of the functional."""
+    adam = getattr(torch.optim, "Adam", None)
+    if adam is None or not isinstance(optimizer, adam) or type(optimizer).step is not adam.step:
+        return False
+    if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
+        return False
+    needed = ("betas", "lr", "weight_decay", "eps", "amsgrad", "maximize", "foreach", "capturable", "fused")
+    return all(all(key in group for key in (*needed, "decoupled_weight_decay")) for group in optimizer.param_groups)
+
+
+class ChunkStepper:
+    """Updates chunks of params; see the module docstring."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.restricted = RestrictedStep(optimizer)
+        self.fused = _functional_adam_applies(optimizer)
+        self._group_of = {id(p): i for i, group in enumerate(optimizer.param_groups) for p in group["params"]}
+        self._lists: dict[Hashable, list[tuple[int, list[torch.Tensor]]]] = {}
+        self.plan: object = None  # the plan the lists were made for (held, so its id is never reused)
+
+    def begin(self) -> None:
+        """At the start of each optimizer step."""
+        self.restricted.begin()
+
+    def forget(self, plan: object = None) -> None:
+        """A new plan (its chunks are other sets of params): make the lists again."""
+        self.plan = plan
+        self._lists.clear()
+        self._group_of = {id(p): i for i, group in enumerate(self.optimizer.param_groups) for p in group["params"]}
+
+    def __call__(self, params: Sequence[torch.Tensor], key: Hashable | None = None) -> None:
+        """Update ``params`` (``key`` names the set, so its lists are made once)."""
+        state = self.optimizer.state
+        if not self.fused or not all(state.get(p) for p in params):
+            self.restricted(params)
+            return
+        by_group = self._lists.get(key) if key is not None else None
+        if by_group is None:
+            grouped: dict[int, list[torch.Tensor]] = {}
+            for param in params:
+                grouped.setdefault(self._group_of[id(param)], []).append(param)
+            by_group = sorted(grouped.items())
+            if key is not None:
+                self._lists[key] = by_group
+        for index, group_params in by_group:
+            self._adam(self.optimizer.param_groups[index], [p for p in group_params if p.grad is not None])
+
+    def _adam(self, group: dict, params: list[torch.Tensor]) -> None:
+        """torch's functional Adam with the arguments ``Adam.step()`` passes for this group."""
+        if not params:
+            return
+        state = self.optimizer.state
+        beta1, beta2 = group["betas"]
+        torch.optim.adam.adam(
+            params,
+            [p.grad for p in params],
+            [state[p]["exp_avg"] for p in params],
+            [state[p]["exp_avg_sq"] for p in params],
+            [state[p]["max_exp_avg_sq"] for p in params] if group["amsgrad"] else [],
+            [state[p]["step"] for p in params],
+            amsgrad=group["amsgrad"],
+            has_complex=any(torch.is_complex(p) for p in params),
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=group["maximize"],
+            foreach=group["foreach"],
+            capturable=group["capturable"],
+            differentiable=group.get("differentiable", False),
+            fused=group["fused"],
+            grad_scale=None,
+            found_inf=None,
+            decoupled_weight_decay=group["decoupled_weight_decay"],
+        )

@@ -1,0 +1,127 @@
+"""The streams and events the state's copies run on: one side stream per direction beside the
+compute stream, on CUDA; immediate copies on the CPU, where the engine's bookkeeping is tested.
+
+Everything the engine knows of the device goes through ``Streams``: a mark on the compute stream, a
+copy on a side stream, the compute stream waiting for a copy, a block of device memory. So the CPU
+tests can hand the engine events that complete only when a test says so, and check that a copy whose
+dependency has not completed is left for the next point, that the in-flight bound holds, and that a
+failed copy is named at the next point.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+__all__ = ["CudaStreams", "Event", "HostStreams", "OFFLOAD", "PREFETCH", "Streams"]
+
+OFFLOAD = "offload"  # GPU to host
+PREFETCH = "prefetch"  # host to GPU
+
+Pairs = Sequence[tuple[torch.Tensor, torch.Tensor]]  # (destination, source)
+
+
+class Event(Protocol):
+    """What the engine needs of a ``torch.cuda.Event``."""
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+class Streams(Protocol):
+    """The device as the engine sees it."""
+
+    timed: bool
+
+    def mark(self) -> Event | None: ...
+
+    def copy(self, direction: str, pairs: Pairs, after: Event | None) -> tuple[Event | None, Event | None]: ...
+
+    def compute_waits(self, event: Event) -> tuple[Event | None, Event | None]: ...
+
+    def block(self, nbytes: int) -> torch.Tensor: ...
+
+
+class CudaStreams:
+    """A side stream per direction, so that copies out and copies back use both copy engines at once
+    and never queue behind training's kernels. Memory for state comes from the compute stream's pool
+    (also when asked from autograd's thread), so what the state gives back is what activations use."""
+
+    timed = True
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.compute = torch.cuda.current_stream(device)  # fixed at attach: training's stream
+        self.side = {OFFLOAD: torch.cuda.Stream(device), PREFETCH: torch.cuda.Stream(device)}
+
+    def mark(self) -> torch.cuda.Event:
+        """The compute stream's current end: once it has completed, every kernel queued so far is done."""
+        event = torch.cuda.Event()
+        event.record(self.compute)
+        return event
+
+    def copy(self, direction: str, pairs: Pairs, after: Event | None) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        """Queue the copies on the direction's stream; returns their (start, end) events. ``after`` is
+        waited for on the device: the engine passes one only where it has already been queued (no wait
+        on work that could itself be held back behind this one)."""
+        stream = self.side[direction]
+        if after is not None:
+            stream.wait_event(after)  # on the device, behind work already queued: it always proceeds
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            for destination, source in pairs:
+                destination.copy_(source, non_blocking=True)
+            end.record(stream)
+        return start, end
+
+    def compute_waits(self, event: Event) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        """Order the compute stream after ``event`` (a copy already queued), timing the wait."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(self.compute)
+        self.compute.wait_event(event)  # on the device: the host goes on queueing the step
+        end.record(self.compute)
+        return start, end
+
+    def block(self, nbytes: int) -> torch.Tensor:
+        with torch.cuda.stream(self.compute):
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+
+class Done:
+    """An event that has completed (the CPU's copies are synchronous)."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
+class HostStreams:
+    """Copies done at once on the host: the engine's bookkeeping without a GPU. Tests subclass it to
+    hand out events that complete later, or copies that fail."""
+
+    timed = False
+
+    def mark(self) -> Event | None:
+        return None
+
+    def copy(self, direction: str, pairs: Pairs, after: Event | None) -> tuple[Event | None, Event | None]:
+        for destination, source in pairs:
+            destination.copy_(source)
+        return None, Done()
+
+    def compute_waits(self, event: Event) -> tuple[Event | None, Event | None]:
+        event.synchronize()  # the CPU has no device-side order: the data must be there before it is used
+        return None, None
+
+    def block(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def streams_for(device: torch.device | None) -> Streams:
+    return CudaStreams(device) if device is not None and device.type == "cuda" else HostStreams()

@@ -1,0 +1,159 @@
+"""The copies' schedule without a GPU: events that complete only when the test says so.
+
+What it proves: a copy whose dependency has not completed is left for the next point (``pump()``
+never waits); at most ``IN_FLIGHT`` copies run per direction; GPU memory a copy reads is held until
+that copy has landed; a copy that fails is raised at the next point, naming the chunk and direction,
+with the chunk pointing at a whole copy of its data; a chunk whose copy out has not started simply
+stays when it is wanted back.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+
+from megatron_offload import OffloadCopyError, OptimizerStateOffloader
+from megatron_offload.engine import IN_FLIGHT
+from megatron_offload.streams import HostStreams
+
+
+class Gate:
+    """An event that completes when opened (or fails when told to)."""
+
+    def __init__(self) -> None:
+        self.open = False
+        self.error: str | None = None
+
+    def query(self) -> bool:
+        if self.error:
+            raise RuntimeError(self.error)
+        return self.open
+
+    def synchronize(self) -> None:
+        self.open = True  # a host wait: the device gets there
+
+
+class ManualStreams(HostStreams):
+    """Copies happen at once (host memory), but their events and the compute marks complete by hand."""
+
+    def __init__(self) -> None:
+        self.marks: list[Gate] = []
+        self.started: list[tuple[str, Gate]] = []
+
+    def mark(self) -> Gate:
+        self.marks.append(Gate())
+        return self.marks[-1]
+
+    def copy(self, direction, pairs, after):
+        super().copy(direction, pairs, after)
+        self.started.append((direction, Gate()))
+        return None, self.started[-1][1]
+
+    def open_all(self) -> None:
+        for gate in self.marks + [gate for _, gate in self.started]:
+            gate.open = True
+
+
+def offloader_with(streams: ManualStreams, count: int = 6) -> tuple[OptimizerStateOffloader, list[torch.Tensor]]:
+    masters = [torch.nn.Parameter(torch.randn(300)) for _ in range(count)]
+    optimizer = torch.optim.AdamW(masters, lr=1e-2)
+    for master in masters:
+        master.grad = torch.randn(300)
+    optimizer.step()
+    offloader = OptimizerStateOffloader(
+        optimizer, masters, chunk_bytes=3000, pin_memory=False, check_host_memory=False, streams=streams
+    )
+    return offloader, masters
+
+
+def test_a_copy_whose_dependency_is_running_is_left_for_the_next_point() -> None:
+    streams = ManualStreams()
+    offloader, _ = offloader_with(streams)
+    offloader.offload(now=False)
+    offloader.pump()
+    assert streams.started == []  # the compute stream's last write has not completed: nothing starts
+    assert all(chunk.on_gpu for chunk in offloader.chunks)  # still whole where it was
+    for gate in streams.marks:
+        gate.open = True
+    offloader.pump()
+    assert [direction for direction, _ in streams.started] == ["offload"] * IN_FLIGHT
+
+
+def test_at_most_in_flight_copies_per_direction_and_memory_held_until_landed() -> None:
+    streams = ManualStreams()
+    offloader, _ = offloader_with(streams)
+    offloader.offload()  # every chunk onto the host, landed
+    streams.open_all()
+    offloader.drain()
+    offloader.prefetch()  # back into new blocks, a few at a time
+    streams.open_all()
+    offloader.pump()
+    assert len(offloader.chunks) > IN_FLIGHT + 1
+    for chunk in offloader.chunks:  # the step hands them to compute; now they leave
+        offloader.hand_to_compute(chunk)
+    blocks = [weakref.ref(chunk.block) for chunk in offloader.chunks]
+    offloader.offload(now=False)
+    for gate in streams.marks:
+        gate.open = True
+    started = len(streams.started)
+    offloader.pump()
+    assert len(streams.started) - started == IN_FLIGHT  # bounded, although every dependency is done
+    first = offloader.chunks[0]
+    assert not first.on_gpu and blocks[0]() is not None  # pointing at the host; its block held by the copy
+    offloader.pump()
+    assert len(streams.started) - started == IN_FLIGHT  # none landed yet: nothing more starts
+    for _, gate in streams.started[started:]:
+        gate.open = True
+    offloader.pump()
+    assert blocks[0]() is None  # landed: its GPU memory is given back
+    assert len(streams.started) - started == 2 * IN_FLIGHT
+
+
+def test_a_failed_copy_is_named_at_the_next_point_and_the_chunk_keeps_whole_data() -> None:
+    streams = ManualStreams()
+    offloader, masters = offloader_with(streams)
+    offloader.offload()
+    streams.open_all()
+    offloader.drain()
+    offloader.wait()
+    streams.open_all()
+    values = [master.detach().clone() for master in masters]
+    offloader.offload(now=False)
+    for gate in streams.marks:
+        gate.open = True
+    offloader.pump()
+    streams.started[-IN_FLIGHT][1].error = "injected: copy failed"
+    with pytest.raises(OffloadCopyError, match=r"chunk 1 of \d+ .*GPU to host.*injected: copy failed"):
+        offloader.pump()
+    failed = offloader.chunks[0]
+    assert failed.on_gpu  # pointing at the GPU memory its copy read, which holds the values
+    for master, value in zip(masters, values, strict=True):
+        if any(master is param for param in failed.params):
+            assert torch.equal(master.detach(), value)
+
+
+def test_a_chunk_wanted_back_before_its_copy_out_started_simply_stays() -> None:
+    streams = ManualStreams()
+    offloader, _ = offloader_with(streams)
+    offloader.offload(now=False)  # queued; the compute stream has not finished writing yet
+    assert offloader.leaving_bytes == offloader.stats.host_bytes
+    assert offloader.prefetch() == 0  # nothing to copy back: it never left
+    assert offloader.leaving_bytes == 0 and offloader.idle
+    assert all(chunk.on_gpu for chunk in offloader.chunks)
+
+
+def test_a_chunk_wanted_back_while_its_copy_out_runs_comes_back_without_a_copy() -> None:
+    streams = ManualStreams()
+    offloader, _ = offloader_with(streams)
+    offloader.offload(now=False)
+    for gate in streams.marks:
+        gate.open = True
+    offloader.pump()
+    first = offloader.chunks[0]
+    out = first.copy
+    assert not first.on_gpu and out is not None
+    offloader.hand_to_compute(first)  # the step needs it: its block still holds it
+    assert first.on_gpu and first.copy is None
+    assert [d for d, _ in streams.started].count("prefetch") == 0  # no copy back
