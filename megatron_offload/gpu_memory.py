@@ -95,4 +95,4 @@ def memory_limit_bytes(device: torch.device | int) -> int:
     if fraction < 1.0:
         return int(fraction * torch.cuda.get_device_properties(index).total_memory)
     free, _ = torch.cuda.mem_get_info(index)
-    return torch.cuda.memory_reserved(index) + free
+    return torch._C._cuda_memoryStats(index)["reserved_bytes"]["all"]["current"] + free

@@ -46,7 +46,8 @@ class StateScheduler:
     """The memory ledger of one process's optimizer state; see the module docstring."""
 
     def __init__(self, limit: Callable[[], int]) -> None:
-        self._limit = limit  # read when needed: other processes may take memory meanwhile
+        self._limit = limit  # read once per step (other processes may take memory meanwhile): see limit()
+        self._limit_now: int | None = None
         self.natural: Peaks | None = None  # None until the first step has been seen
         self._last_peaks: Peaks | None = None  # the process's peaks when the latest step ended
         self.grown = 0  # bytes the natural peak grew by after iteration 1
@@ -56,6 +57,7 @@ class StateScheduler:
         """At each step's start, before the step allocates anything. ``on_gpu_at_peak``: optimizer
         state that may have been on the GPU when the forward and backward peaked (kept state: counted
         as resident, which can only make the estimate larger). Returns True when the natural peak grew."""
+        self._limit_now = self._limit()
         if self.natural is None:
             self.natural = peaks  # iteration 1: no state on the GPU, nothing brought back yet
             return False
@@ -81,7 +83,9 @@ class StateScheduler:
         return self.natural is not None
 
     def limit(self) -> int:
-        return self._limit()
+        """The limit as read at the latest step's start. Not per reading: uncapped it is a driver call
+        (free memory) plus the allocator's statistics, which the hooks would pay dozens of times per pass."""
+        return self._limit() if self._limit_now is None else self._limit_now
 
     def margin(self, limit: int | None = None) -> int:
         return max(MIN_MARGIN_BYTES, int(MARGIN_SHARE * (self.limit() if limit is None else limit)))
