@@ -13,9 +13,14 @@ AdamW, SGD), not for those that mix params (LAMB's global norm).
 from __future__ import annotations
 
 import functools
+import importlib
+import inspect
+import logging
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ChunkStepper", "RestrictedStep"]
 
@@ -54,15 +59,21 @@ class RestrictedStep:
                 group["params"] = group_params
 
 
-def _functional_adam_applies(optimizer: torch.optim.Optimizer) -> bool:
-    """torch's own Adam or AdamW, unmodified, whose groups carry every argument of the functional."""
-    adam = getattr(torch.optim, "Adam", None)
-    if adam is None or not isinstance(optimizer, adam) or type(optimizer).step is not adam.step:
-        return False
+def _functional_of(optimizer: torch.optim.Optimizer) -> Callable[..., None] | None:
+    """The functional torch's own ``step()`` of this optimizer calls (``adam``, or ``adamw`` where AdamW
+    has a step of its own), or None when the optimizer is anything else or its step was replaced."""
+    own = type(optimizer).step
     if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
-        return False
-    needed = ("betas", "lr", "weight_decay", "eps", "amsgrad", "maximize", "foreach", "capturable", "fused")
-    return all(all(key in group for key in (*needed, "decoupled_weight_decay")) for group in optimizer.param_groups)
+        return None
+    for class_name, module_name in (("AdamW", "torch.optim.adamw"), ("Adam", "torch.optim.adam")):
+        cls = getattr(torch.optim, class_name, None)
+        if cls is None or not isinstance(optimizer, cls) or own is not cls.step or "step" not in vars(cls):
+            continue
+        try:
+            return getattr(importlib.import_module(module_name), class_name.lower(), None)
+        except ImportError:
+            return None
+    return None
 
 
 class ChunkStepper:
@@ -71,7 +82,14 @@ class ChunkStepper:
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         self.restricted = RestrictedStep(optimizer)
-        self.fused = _functional_adam_applies(optimizer)
+        self.functional = _functional_of(optimizer)
+        self._accepts = set(inspect.signature(self.functional).parameters) if self.functional else set()
+        logger.info(
+            "megatron-offload: each chunk is updated by %s",
+            f"torch's functional {self.functional.__name__} (one call per chunk)"
+            if self.functional
+            else f"{type(optimizer).__name__}.step() over the chunk's params",
+        )
         self._group_of = {id(p): i for i, group in enumerate(optimizer.param_groups) for p in group["params"]}
         self._lists: dict[Hashable, list[tuple[int, list[torch.Tensor]]]] = {}
         self.plan: object = None  # the plan the lists were made for (held, so its id is never reused)
@@ -86,10 +104,11 @@ class ChunkStepper:
         self._lists.clear()
         self._group_of = {id(p): i for i, group in enumerate(self.optimizer.param_groups) for p in group["params"]}
 
+    @torch.no_grad()
     def __call__(self, params: Sequence[torch.Tensor], key: Hashable | None = None) -> None:
         """Update ``params`` (``key`` names the set, so its lists are made once)."""
         state = self.optimizer.state
-        if not self.fused or not all(state.get(p) for p in params):
+        if self.functional is None or not all(state.get(p) for p in params):
             self.restricted(params)
             return
         by_group = self._lists.get(key) if key is not None else None
@@ -104,31 +123,34 @@ class ChunkStepper:
             self._adam(self.optimizer.param_groups[index], [p for p in group_params if p.grad is not None])
 
     def _adam(self, group: dict, params: list[torch.Tensor]) -> None:
-        """torch's functional Adam with the arguments ``Adam.step()`` passes for this group."""
+        """The functional with the arguments the optimizer's ``step()`` passes for this group."""
         if not params:
             return
         state = self.optimizer.state
         beta1, beta2 = group["betas"]
-        torch.optim.adam.adam(
+        settings = {
+            "amsgrad": group["amsgrad"],
+            "has_complex": any(torch.is_complex(p) for p in params),
+            "beta1": beta1,
+            "beta2": beta2,
+            "lr": group["lr"],
+            "weight_decay": group["weight_decay"],
+            "eps": group["eps"],
+            "maximize": group["maximize"],
+            "foreach": group["foreach"],
+            "capturable": group["capturable"],
+            "differentiable": group.get("differentiable", False),
+            "fused": group["fused"],
+            "grad_scale": None,
+            "found_inf": None,
+            "decoupled_weight_decay": group.get("decoupled_weight_decay", False),
+        }
+        self.functional(
             params,
             [p.grad for p in params],
             [state[p]["exp_avg"] for p in params],
             [state[p]["exp_avg_sq"] for p in params],
             [state[p]["max_exp_avg_sq"] for p in params] if group["amsgrad"] else [],
             [state[p]["step"] for p in params],
-            amsgrad=group["amsgrad"],
-            has_complex=any(torch.is_complex(p) for p in params),
-            beta1=beta1,
-            beta2=beta2,
-            lr=group["lr"],
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=group["maximize"],
-            foreach=group["foreach"],
-            capturable=group["capturable"],
-            differentiable=group.get("differentiable", False),
-            fused=group["fused"],
-            grad_scale=None,
-            found_inf=None,
-            decoupled_weight_decay=group["decoupled_weight_decay"],
+            **{key: value for key, value in settings.items() if key in self._accepts},
         )

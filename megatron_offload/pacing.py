@@ -52,20 +52,19 @@ class Handle(Protocol):
 
 
 class PrefetchDuringBackward:
-    """Brings state back during the last micro-batch's backward, only into memory that backward has
-    freed, so the peak does not rise, and only chunks whose offload has landed, so no hook waits.
-    Driven by gradient-ready hooks.
+    """Brings state back during the last two micro-batches' backwards, only chunks whose copy out has
+    landed (no hook waits), as far as the memory limit allows. Driven by gradient-ready hooks.
 
-    What is allocated plus what we brought back must stay under the level backward started from (the
-    end of the forward), three times over:
-    - during backward, less a margin for backward's temporaries, which come and go between two hooks
-      where no reading sees them. The margin is learned: twice the most memory freed between two
-      readings (one layer's saved activations; backward's temporaries were measured at 1.5 times that
-      with unfused attention);
-    - at the step, where what we brought back is still there when the step makes its own tensors
-      (megatron-core's fp32 copies of bf16 gradients, Adam's temporaries, the streamed step's staging
-      chunks): what the step holds when it starts is learned too, and its extra is bounded;
-    - under the limit, in reserved bytes (the scheduler's ``backward_room``), now and at the step.
+    What comes back must fit, in reserved bytes (the scheduler's figures):
+    - beside the forward's natural peak, which the last forward reaches again: from the next-to-last
+      backward on, state may come back into the room the limit leaves there (uncapped that is most of
+      the GPU, so the copies back hide behind the last micro-batches; under a cap, little);
+    - in the last backward also into what backward frees, less a margin for its temporaries, which come
+      and go between two hooks where no reading sees them. The margin is learned: twice the most memory
+      freed between two readings (one layer's saved activations);
+    - at the step, where what came back is still there when the step makes its own tensors
+      (megatron-core's fp32 gradient copies, Adam's temporaries, the streamed step's staging chunks):
+      what the step holds when it starts is learned too, and its extra is bounded.
     Learned over earlier iterations; the first one that samples only learns.
     NOTE: which backward is the last is counted, not read from DDP's ``is_last_microbatch``: Megatron-LM
     installs ``no_sync`` only with --overlap-grad-reduce, so without it that flag is always set. The
@@ -77,15 +76,14 @@ class PrefetchDuringBackward:
     ) -> None:
         self.handle = handle
         self.in_last_microbatch = in_last_microbatch
-        self.level = 0  # highest reading of this backward, without what we brought back
         self.previous: int | None = None  # the last reading, without what we brought back
-        self.brought = 0  # bytes brought back during this backward
+        self.brought = 0  # bytes brought back during this iteration
         self.largest_drop = 0  # most memory freed between two readings, over all backwards so far
         self.margin: int | None = None  # None until one backward has been seen
         self.at_step: int | None = None  # most memory held when a step starts, without what we brought
         self.step_started = False
         self.step_extra = 0  # what the step adds on top (streamed_step.footprint)
-        self.sampled = False  # this backward was read
+        self.sampled = False  # the last backward was read
         self.active = True  # some state leaves the GPU (else nothing comes back: the hooks only pump)
         self.first_param: int | None = None  # id of the param whose gradient is ready first in a backward
         self.backwards = 0  # backwards begun in this iteration
@@ -102,26 +100,26 @@ class PrefetchDuringBackward:
         if not self.on_gpu:
             return
         self.handle.pump()
-        if not self.active or self.backwards != self.backwards_per_iteration or not self.in_last_microbatch():
+        per_iteration = self.backwards_per_iteration
+        if not self.active or per_iteration is None or self.backwards < per_iteration - 1:
             return
-        self.sampled = True
+        last = self.backwards == per_iteration and self.in_last_microbatch()
         allocated = allocated_bytes()
-        natural = allocated - self.brought
-        if self.previous is not None:
-            self.largest_drop = max(self.largest_drop, self.previous - natural)
-        self.previous = natural
-        self.level = max(self.level, natural)
+        if last:
+            self.sampled = True
+            natural = allocated - self.brought
+            if self.previous is not None:
+                self.largest_drop = max(self.largest_drop, self.previous - natural)
+            self.previous = natural
         if self.margin is None or self.at_step is None:
             return
-        scheduler = self.handle.scheduler
-        room = min(
-            self.level - self.margin - natural - self.brought,
-            self.level - self.at_step - self.step_extra - self.brought,
-            scheduler.backward_room(allocated),  # under the limit now, in reserved bytes
-            scheduler.backward_room(self.at_step + self.step_extra) - self.brought,  # and at the step
-        )
+        handle, scheduler = self.handle, self.handle.scheduler
+        room = scheduler.room() - handle.kept_bytes() - handle.pending_offload_bytes() - self.brought
+        if last:
+            room = max(room, scheduler.backward_room(allocated) - self.margin)
+        room = min(room, scheduler.backward_room(self.at_step + self.step_extra) - self.brought)
         if room > 0:
-            self.brought += self.handle.prefetch(max_bytes=room, landed_only=True)
+            self.brought += handle.prefetch(max_bytes=room, landed_only=True)
 
     def on_step_start(self) -> None:
         """Called as the inner optimizer step starts (gradients prepared): learn what the step holds."""
@@ -137,7 +135,7 @@ class PrefetchDuringBackward:
             self.backwards_per_iteration = self.backwards  # the next iteration samples its last backward
         elif self.sampled:
             self.margin = max(PACING_MIN_MARGIN_BYTES, 2 * self.largest_drop)
-        self.sampled, self.level, self.previous, self.brought, self.backwards = False, 0, None, 0, 0
+        self.sampled, self.previous, self.brought, self.backwards = False, None, 0, 0
         self.step_started = False
         self.step_extra = self.handle.step_footprint()
         self.active = self.handle.moves()
@@ -151,13 +149,13 @@ class PrefetchDuringBackward:
 class RoomForForward:
     """Frees memory in the forward, should the scheduler's forecast not hold.
 
-    The step returns with no more offloads pending than the next forward leaves room for (the
-    scheduler's backlog budget), so in steady state these hooks only read memory, a few dozen times per
-    forward, and never wait. The first forward (nothing learned, nothing pending) reads at every hook
-    and keeps the profile of what training needs without state: the highest reading so far at each
-    hook. A later reading above the profile means the workload grew (a longer sequence, a bigger
-    micro-batch); if the grown peak would pass the limit, the hook waits for the oldest offloads, then
-    offloads kept state, on the host: slower, never out of memory where offloading everything fits.
+    The step returns with no more copies out pending than the next forward leaves room for (the
+    scheduler's backlog budget), so in steady state these hooks read memory once each and never wait.
+    The first forward (nothing learned, nothing pending) keeps the profile of what training needs
+    without state: the highest reading so far at each hook. Later, at each hook, what is allocated now
+    plus what the rest of the forward added in the first one must stay under the limit; if it would not
+    (the workload grew: a longer sequence, a bigger micro-batch), the hook waits for the oldest copies
+    out, then offloads kept state, on the host: slower, never out of memory where offloading fits.
     """
 
     def __init__(self, handle: Handle, model_chunks: Sequence[torch.nn.Module]) -> None:
@@ -173,7 +171,7 @@ class RoomForForward:
         ]
         self.on_gpu = torch.cuda.is_available()
         self.calls = 0
-        self.learning = True  # the first iteration: read at every hook, record the profile
+        self.learning = True  # the first iteration: record the profile
         self.profile: list[int] = []  # highest natural reading up to each hook of the first iteration
         self.waited = 0  # times a forward waited (for tests and the log)
 
@@ -182,23 +180,25 @@ class RoomForForward:
             return
         self.handle.pump()
         self.calls += 1
-        pending, kept = self.handle.pending_offload_bytes(), self.handle.kept_bytes()
-        if not (self.learning or ((pending or kept) and self.profile)):
-            return  # nothing on the GPU that could be freed: no reading needed
-        natural = allocated_bytes() - pending - kept
         if self.learning:
+            pending = self.handle.pending_offload_bytes()
+            natural = allocated_bytes() - pending - self.handle.kept_bytes()
             self.profile.append(max(natural, self.profile[-1] if self.profile else natural))
             if pending:  # nothing learned yet: let everything land first
                 self._wait(None)
             return
-        grown = max(0, natural - self.profile[min(self.calls, len(self.profile)) - 1])
-        excess = self.handle.scheduler.forward_excess(pending + kept, grown)
+        if not self.profile:
+            return
+        scheduler = self.handle.scheduler
+        to_come = self.profile[-1] - self.profile[min(self.calls, len(self.profile)) - 1]
+        excess = allocated_bytes() + to_come + scheduler.caching_gap + scheduler.margin() - scheduler.limit()
         if excess <= 0:
             return
+        pending = self.handle.pending_offload_bytes()
         if pending:
             self._wait(min(excess, pending))
             excess -= pending
-        if excess > 0 and kept:
+        if excess > 0 and self.handle.kept_bytes():
             self.handle.evict(excess)  # kept state out for good: the scheduler re-chooses after the step
             self._wait(None)
 

@@ -17,7 +17,6 @@ What it decides:
   the limit, less the natural peak, less a safety margin;
 - ``backlog_budget``: the offload copies that may still be pending when a step returns, so that the
   next forward finds the room it needs without waiting: the same room, less what is kept;
-- ``forward_excess``: in the forward, the bytes to free now, should the workload have grown mid-way;
 - ``backward_room``: in the last backward, how much may come back without passing the limit.
 """
 
@@ -110,14 +109,6 @@ class StateScheduler:
     def caching_gap(self) -> int:
         """Reserved minus allocated at the natural peak: what the allocator holds beyond live tensors."""
         return 0 if self.natural is None else max(0, self.natural.reserved - self.natural.allocated)
-
-    def forward_excess(self, state_on_gpu: int, grown: int) -> int:
-        """Bytes to free now in the forward: positive only if the workload grew (``grown``: how far a
-        reading now passes the first iteration's at the same point) past what the limit leaves beside
-        ``state_on_gpu`` (pending offloads and kept state)."""
-        if self.natural is None:
-            return 0
-        return self.natural.reserved + grown + state_on_gpu - self.limit()
 
     def backward_room(self, allocated: int) -> int:
         """Bytes that may come back now during backward without the reserved total passing the limit

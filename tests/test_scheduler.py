@@ -19,7 +19,7 @@ def test_nothing_is_decided_before_the_first_step() -> None:
     assert not ledger.learned
     assert ledger.kept_budget(10 * GIB) == 0  # auto offloads everything until it has measured
     assert ledger.backlog_budget(0) == 0  # and the first step lets every offload land
-    assert ledger.forward_excess(state_on_gpu=5 * GIB, grown=GIB) == 0
+    assert ledger.room() == 0
 
 
 def test_the_limit_is_counted_in_reserved_bytes() -> None:
@@ -70,12 +70,13 @@ def test_growth_is_seen_at_the_next_step_and_shrinks_what_is_kept() -> None:
     assert "grew by 1.50 GiB" in ledger.explain(ledger.kept_budget(10 * GIB), 10 * GIB)
 
 
-def test_a_reading_above_the_forecast_asks_for_exactly_the_excess() -> None:
-    ledger = scheduler(26)
-    ledger.observe_step_start(Peaks(20 * GIB, 20 * GIB), on_gpu_at_peak=0)
-    on_gpu = ledger.backlog_budget(0)  # the most a step leaves pending
-    assert ledger.forward_excess(on_gpu, grown=0) == -ledger.margin()  # as forecast: nothing to free
-    assert ledger.forward_excess(on_gpu, grown=ledger.margin() + GIB) == GIB
+def test_the_limit_is_read_once_per_step() -> None:
+    limits = iter([26 * GIB, 20 * GIB])
+    ledger = StateScheduler(lambda: next(limits))
+    ledger.observe_step_start(Peaks(10 * GIB, 10 * GIB), on_gpu_at_peak=0)
+    assert ledger.limit() == ledger.limit() == 26 * GIB  # the hooks read it many times: one driver call
+    ledger.observe_step_start(Peaks(10 * GIB, 10 * GIB), on_gpu_at_peak=0)
+    assert ledger.limit() == 20 * GIB  # another process took memory: seen at the next step
 
 
 def test_backward_room_leaves_the_margin_and_the_allocator_cache() -> None:
