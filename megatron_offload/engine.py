@@ -175,6 +175,7 @@ class OptimizerStateOffloader:
         if self._slab is not None and key == self.plan.key:
             return
         self.wait()
+        self.drain()  # no copy may still read or write the slab in the old layout
         cuts = planning.cut(self.optimizer, found, self.chunk_bytes)
         self._make_room(sum(expected for piece in cuts for _, _, expected in piece))
         sizes = [sum(expected for _, _, expected in piece) for piece in cuts]
