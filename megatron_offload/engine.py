@@ -464,7 +464,7 @@ class OptimizerStateOffloader:
         if not self.stats.host_bytes or all(chunk.kept for chunk in self.chunks):
             return  # nothing moves (no state yet, masters kept, or all of it kept)
         self.stats.offloads += 1
-        self.stats.gpu_bytes_freed = self.offloaded_bytes
+        self.stats.gpu_bytes_freed = sum(chunk.nbytes for chunk in self.chunks if not chunk.kept)  # out, or leaving
         self.step_index += 1
         self.timings.harvest(self.stats)
 

@@ -30,17 +30,18 @@ __all__ = ["READY_GROUP_BYTES", "STAGING_CHUNKS", "footprint", "run"]
 # Buffers the streamed step cycles through: one chunk coming in, one updated, one going out.
 STAGING_CHUNKS = 3
 # Chunks already on the GPU at the step are updated in groups of about this size: few launches,
-# while the optimizer's temporaries (a foreach Adam makes some the size of a moment) stay bounded.
-READY_GROUP_BYTES = 512 * MIB
+# while the optimizer's temporaries (a foreach Adam makes some the size of a moment: a third of a
+# group of masters and moments; counted as half) stay bounded.
+READY_GROUP_BYTES = 1024 * MIB
 
 AfterChunk = Callable[[list[torch.Tensor]], None]
 
 
 def footprint(offloader: OptimizerStateOffloader) -> int:
     """Most device memory the streamed step adds beyond what is on the GPU already: the staging
-    chunks, and optimizer temporaries for one group of ready chunks (counted at its full size)."""
+    chunks, and optimizer temporaries for one group of ready chunks."""
     largest = max((max(c.nbytes, c.expected) for c in offloader.chunks), default=offloader.chunk_bytes)
-    return STAGING_CHUNKS * max(largest, offloader.chunk_bytes) + max(READY_GROUP_BYTES, offloader.chunk_bytes)
+    return STAGING_CHUNKS * max(largest, offloader.chunk_bytes) + max(READY_GROUP_BYTES, offloader.chunk_bytes) // 2
 
 
 def _groups(chunks: list[Chunk], chunk_bytes: int) -> Iterator[list[Chunk]]:
@@ -77,6 +78,15 @@ def run(off: OptimizerStateOffloader, stepper: ChunkStepper, after_chunk: AfterC
             off.offload(now=False)  # a new plan for the state as it is now, then out
         return
     chunks = off.chunks
+    if all(chunk.kept and chunk.on_gpu and chunk.copy is None and chunk.ready is None for chunk in chunks):
+        # Nothing moves (all of it kept and here): the optimizer's own step, as without offloading.
+        params = planning.all_params(off.optimizer)
+        stepper.restricted(params)
+        if after_chunk is not None:
+            after_chunk(params)
+        for chunk in chunks:
+            chunk.touched = True
+        return
     for chunk in chunks:
         if chunk.kept and not chunk.on_gpu and chunk.copy is None:
             off.queue_prefetch(chunk)  # newly kept: into a block of its own, not a staging buffer
