@@ -75,7 +75,26 @@ def probe_and_side_by_side(folder: Path) -> None:
         print("\nMegatron-LM's loop, side by side\n" + side.read_text(), end="")
 
 
+def trace_verdicts(folder: Path) -> None:
+    """Issue 20's trace bar per profiled offload run (the trace part, or side with --profile): one line
+    each, the worst iteration's figures, so the verdict needs no reading of the trace table."""
+    for summaries in sorted(folder.glob("*/trace_summary.json")):
+        print(f"\ntrace summary ({summaries.parent.name}/): compute-stream busy time and busy share where copies run, "
+              "each against its base's trace; profiled runs, not timings")  # fmt: skip
+        for name, summary in json.loads(summaries.read_text()).items():
+            if "error" in summary:
+                print(f"  {name:26} no summary: {summary['error'][:90]}")
+                continue
+            iterations = summary["iterations"]
+            busy = [it["busy_ratio"] for it in iterations]
+            shares = [it["share_ratio"] for it in iterations if it["share_ratio"] is not None]
+            share = f"share in copy windows x{min(shares):.2f}" if shares else "no copy windows"
+            print(f"  {name:26} vs {summary['base_run']:20} busy x{min(busy):.3f}-{max(busy):.3f}, {share}: "
+                  f"{summary['verdict']}")  # fmt: skip
+
+
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
     probe_and_side_by_side(Path(sys.argv[1]))
+    trace_verdicts(Path(sys.argv[1]))
     integration_table(Path(sys.argv[1]))

@@ -1,22 +1,27 @@
 #!/usr/bin/env bash
 # On the GPU machine: install the newest carried megatron-core wheel (or each one given), then run the
 # parts asked for, and print a short table last. Everything lands in one folder, packed as results.tgz
-# into $OUT when $OUT is set.
+# into $OUT when $OUT is set (the trace part's torch.profiler traces apart, as traces.tar, if under 15 MiB).
 #   usage: scripts/device_check.sh [MCORE_VERSION ...]   (default: the newest .whl/mcore-*/ carried)
-#   env:   PARTS="tests probe bench side integration" (default: all of them)
+#   env:   PARTS="tests probe bench side trace integration" (default: all of them)
 #            tests        the whole test suite, GPU tests included (every version given)
 #            probe        benchmarks/copy_order_probe.py: a read right after a step that offloads 8.4 GB
 #            bench        benchmarks/offload_bandwidth.py on issue 9's GPT, uncapped and under a cap
 #            side         benchmarks/megatron_side_by_side.py: Megatron-LM's own pretrain_gpt.py
 #                         ($MEGATRON_LM, default .megatron-lm) through our launcher, at --log-interval 1
-#                         and 5, uncapped and under caps ($SIDE_ARGS narrows it)
+#                         and 5, uncapped and under caps ($SIDE_ARGS narrows it); with upstream's rows
+#                         when $UPSTREAM_MEGATRON_LM (default .megatron-lm-dev where present; empty: none),
+#                         a copy of Megatron-LM's dev branch, run by its own pretrain_gpt.py and loop
+#            trace        separate profiled runs (--log-interval 1, torch.profiler through Megatron's
+#                         --profile) and benchmarks/trace_summary.py's verdict ($TRACE_ARGS narrows it)
 #            integration  scripts/integration.py entries for $GPUS GPUs
 #          GPUS=1|2 (default: as many GPUs as there are, at most 2); BENCH_STEPS (6)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 results=${RESULTS:-device-results}
 rm -rf "$results" && mkdir -p "$results"
-parts=${PARTS:-tests probe bench side integration}
+parts=${PARTS:-tests probe bench side trace integration}
+upstream=${UPSTREAM_MEGATRON_LM-$( [ -d .megatron-lm-dev ] && echo .megatron-lm-dev )}
 versions=("$@")
 [ ${#versions[@]} -gt 0 ] || versions=($(ls -d .whl/mcore-* 2>/dev/null | sed 's|.whl/mcore-||' | sort -V | tail -n 1))
 [ ${#versions[@]} -gt 0 ] || { echo "no megatron-core wheels under .whl/: run bash scripts/fetch_wheels.sh"; exit 2; }
@@ -50,12 +55,20 @@ if wants bench; then
     --variants finalize "step (streamed)" --cap --json "$results/bench-${versions[-1]}.json" >"$results/bench.log" 2>&1 \
     || { status=1; tail -n 30 "$results/bench.log"; }
 fi
-if wants side; then
-  echo "=== Megatron-LM's loop side by side"
-  # SIDE_ARGS, e.g. "--log-intervals 1 --only 'full offload (auto)'": a part of the matrix
+side() {  # side OUT_NAME ARGS...: the side-by-side harness, our client and upstream's when there is one
+  local name=$1; shift
   eval "python3 benchmarks/megatron_side_by_side.py --megatron-lm \"${MEGATRON_LM:-.megatron-lm}\" --gpus 1 \
-    ${SIDE_ARGS:-} --out \"$results/side\"" 2>&1 | tee "$results/side.log" | grep -vE "Warning|warn" | tail -n 20
+    ${upstream:+--upstream-megatron-lm \"$upstream\"} $* --out \"$results/$name\"" 2>&1 | tee "$results/$name.log" \
+    | grep -vE "Warning|warn" | tail -n 24
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
+}
+if wants side; then
+  echo "=== Megatron-LM's loop side by side${upstream:+, and upstream: $upstream}"
+  side side "${SIDE_ARGS:-}"  # e.g. "--log-intervals 1 --only 'full offload (auto)'": a part of the matrix
+fi
+if wants trace; then
+  echo "=== profiled runs, compute stream with and without copies (timings not from these)"
+  side trace --log-intervals 1 --profile-only --profile "${TRACE_ARGS:-}"  # e.g. "'no offload' 'prefetch step'"
 fi
 if wants integration; then
   echo "=== megatron-core ${versions[-1]}: integration runs on $gpus GPU(s)"
@@ -64,5 +77,12 @@ if wants integration; then
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 python3 benchmarks/summarize.py "$results" | tee "$results/summary.txt"
-[ -n "${OUT:-}" ] && tar czf "$OUT/results.tgz" "$results" && cp "$results/summary.txt" "$OUT/"
+if [ -n "${OUT:-}" ]; then  # traces (3-4 MB each for issue 9's GPT) apart, only where they fit what comes back
+  tar czf "$OUT/results.tgz" --exclude=torch_profile --exclude=tensorboard "$results" && cp "$results/summary.txt" "$OUT/"
+  traces=$(find "$results" -path '*torch_profile*' -type f)
+  if [ -n "$traces" ]; then
+    tar cf "$OUT/traces.tar" $traces
+    [ "$(stat -c %s "$OUT/traces.tar")" -le $((15 * 1024 * 1024)) ] || { rm "$OUT/traces.tar"; echo "traces over 15 MiB: not packed"; }
+  fi
+fi
 exit $status
