@@ -485,48 +485,52 @@ def attach_offloader(optimizer: Any, config: OffloadConfig | None = None, **over
         _check_compatible(dist_opt)
 
     handle = OffloadHandle(optimizer, config)
-    allocator_note = expandable_segments_from_now()
-    if allocator_note:
-        logger.warning(allocator_note)
-    handle.streamed = all(_streamed_step_supported(dist_opt) for dist_opt in dist_opts)
-    for dist_opt in dist_opts:
-        masters = _master_weights(dist_opt) if config.offload_master_weights else []
-        keep = () if config.offload_master_weights else ("master_param",)
-        offloader = OptimizerStateOffloader(
-            dist_opt.optimizer,
-            masters,
-            keep_state_keys=keep,
-            chunk_bytes=int(config.chunk_mb * MIB),
-            # Everything leaves until iteration 1 has shown what training needs without state: then
-            # `auto` chooses what stays, and a fixed fraction is checked against the limit.
-            fraction=1.0 if handle.auto_fraction or handle.on_cuda else config.fraction,
-            pin_memory=config.pin_memory,
-            check_host_memory=config.check_host_memory,
-        )
-        handle.offloaders.append(offloader)
-        # Anything that reads the state outside the step must see the copied-back values.
-        waiting = ("step_with_ready_grads",) if not handle.streamed else ()
-        for name in (*waiting, *STATE_ACCESS_METHODS):
-            if hasattr(dist_opt, name):
-                loads = name.startswith("load")
-                handle._wrap_method(dist_opt, name, lambda inner, o=offloader, r=loads: _after_wait(inner, o, r))
-        handle._wrap_method(dist_opt, "sharded_state_dict", lambda inner, o=offloader: _save_from_host(inner, o))
-        if handle.streamed:
-            streamed = _StreamedStep(dist_opt, offloader, handle._on_step_start)
-            handle._wrap_method(dist_opt.optimizer, "step", lambda _inner, s=streamed: s.step)
-            copy_name = "_copy_main_params_to_model_params"
-            handle._wrap_method(dist_opt, copy_name, lambda _inner, s=streamed: s.copy_main_params_to_model_params)
-    handle._wrap_method(optimizer, "step", handle._step_wrapper)
-    handle._install_finalize_hooks()
-    model_chunks = list({id(chunk): chunk for dist_opt in dist_opts for chunk in dist_opt.model_chunks}.values())
-    if config.prefetch is PrefetchPolicy.AUTO:
-        handle._pacer = PrefetchDuringBackward(handle, model_chunks, lambda: _in_last_microbatch(model_chunks))
-    handle._room = RoomForForward(handle, model_chunks)
-    setattr(optimizer, _HANDLE_ATTR, handle)
-    # Out before the first forward, and landed: the masters exist already, iteration 1's peak counts
-    # too, and iteration 1's forward learns its growth with nothing in flight.
-    handle.offload()
-    handle.drain_offloads()
+    try:
+        allocator_note = expandable_segments_from_now()
+        if allocator_note:
+            logger.warning(allocator_note)
+        handle.streamed = all(_streamed_step_supported(dist_opt) for dist_opt in dist_opts)
+        for dist_opt in dist_opts:
+            masters = _master_weights(dist_opt) if config.offload_master_weights else []
+            keep = () if config.offload_master_weights else ("master_param",)
+            offloader = OptimizerStateOffloader(
+                dist_opt.optimizer,
+                masters,
+                keep_state_keys=keep,
+                chunk_bytes=int(config.chunk_mb * MIB),
+                # Everything leaves until iteration 1 has shown what training needs without state: then
+                # `auto` chooses what stays, and a fixed fraction is checked against the limit.
+                fraction=1.0 if handle.auto_fraction or handle.on_cuda else config.fraction,
+                pin_memory=config.pin_memory,
+                check_host_memory=config.check_host_memory,
+            )
+            handle.offloaders.append(offloader)
+            # Anything that reads the state outside the step must see the copied-back values.
+            waiting = ("step_with_ready_grads",) if not handle.streamed else ()
+            for name in (*waiting, *STATE_ACCESS_METHODS):
+                if hasattr(dist_opt, name):
+                    loads = name.startswith("load")
+                    handle._wrap_method(dist_opt, name, lambda inner, o=offloader, r=loads: _after_wait(inner, o, r))
+            handle._wrap_method(dist_opt, "sharded_state_dict", lambda inner, o=offloader: _save_from_host(inner, o))
+            if handle.streamed:
+                streamed = _StreamedStep(dist_opt, offloader, handle._on_step_start)
+                handle._wrap_method(dist_opt.optimizer, "step", lambda _inner, s=streamed: s.step)
+                copy_name = "_copy_main_params_to_model_params"
+                handle._wrap_method(dist_opt, copy_name, lambda _inner, s=streamed: s.copy_main_params_to_model_params)
+        handle._wrap_method(optimizer, "step", handle._step_wrapper)
+        handle._install_finalize_hooks()
+        model_chunks = list({id(chunk): chunk for dist_opt in dist_opts for chunk in dist_opt.model_chunks}.values())
+        if config.prefetch is PrefetchPolicy.AUTO:
+            handle._pacer = PrefetchDuringBackward(handle, model_chunks, lambda: _in_last_microbatch(model_chunks))
+        handle._room = RoomForForward(handle, model_chunks)
+        setattr(optimizer, _HANDLE_ATTR, handle)
+        # Out before the first forward, and landed: the masters exist already, iteration 1's peak counts
+        # too, and iteration 1's forward learns its growth with nothing in flight.
+        handle.offload()
+        handle.drain_offloads()
+    except BaseException:
+        handle.detach()  # nothing half set up: no wrapper, hook or handle left behind
+        raise
     logger.info(
         "megatron-offload attached to %d DistributedOptimizer(s) (megatron-core %s, %s)",
         len(dist_opts),
