@@ -97,16 +97,18 @@ def run(off: OptimizerStateOffloader, stepper: ChunkStepper, after_chunk: AfterC
     fresh = off.compute_mark()  # the staging memory may have been used by compute work still queued
     off.stats.bytes_streamed += sum(chunk.nbytes for chunk in streamed)
 
-    def update(group: list[Chunk]) -> None:
+    def update(group: list[Chunk]) -> bool:
+        """Update the group's chunks; True when the optimizer made new state (its first step)."""
         for chunk in group:
             off.hand_to_compute(chunk)
         params = [p for chunk in group for p in chunk.params]
         stepper(params, key=tuple(chunk.index for chunk in group))
         if after_chunk is not None:
             after_chunk(params)
-        for chunk in group:
-            if planning.adopt_new_state(off.plan, chunk, off.optimizer, off.keep_state_keys, off.slab):
-                off.count_plan()
+        added = [planning.adopt_new_state(off.plan, c, off.optimizer, off.keep_state_keys, off.slab) for c in group]
+        if any(added):
+            off.count_plan()
+        return any(added)
 
     def bring_in(index: int, after: object) -> None:
         chunk = streamed[index]
@@ -123,8 +125,13 @@ def run(off: OptimizerStateOffloader, stepper: ChunkStepper, after_chunk: AfterC
                     off.queue_offload(chunk)  # started by the next points, a few at a time
         leaving = []
         for index, chunk in enumerate(streamed):
-            update([chunk])
+            created = update([chunk])
             leaving.append(off.queue_offload(chunk, now=True))  # its buffer is needed again: out at once
+            excess = off.leaving_bytes - STAGING_CHUNKS * size
+            if created and excess > 0:
+                # Adam's first step makes the moments in memory of their own, faster than they can leave:
+                # on the host, once, wait for the oldest to land, so that step holds a few chunks too.
+                off.drain(excess)
             upcoming = index + STAGING_CHUNKS - 1
             if upcoming < len(streamed):
                 before = upcoming - STAGING_CHUNKS  # the chunk that used this buffer last

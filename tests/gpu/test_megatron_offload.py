@@ -17,6 +17,7 @@ psutil = pytest.importorskip("psutil", reason="the leak test reads the process's
 pytest.importorskip("megatron.core", reason="needs megatron-core installed (scripts/device_check.sh does it)")
 
 from megatron_offload import PrefetchPolicy, attach_offloader  # noqa: E402
+from megatron_offload.chunk_step import ChunkStepper  # noqa: E402
 from megatron_offload.megatron_adapter import distributed_optimizers  # noqa: E402
 from tests.gpu.harness import GPTShape, GPTTraining, build_gpt_training, force_skipped_step, init_distributed  # noqa: E402
 
@@ -258,7 +259,8 @@ def test_exception_inside_step_leaves_state_whole_and_offloaded(monkeypatch: pyt
     def broken_step(*args, **kwargs):
         raise RuntimeError("injected failure inside Adam")
 
-    monkeypatch.setattr(type(inner), "step", broken_step)  # what the streamed step calls per chunk
+    monkeypatch.setattr(ChunkStepper, "__call__", broken_step)  # what the streamed step calls per chunk
+    assert inner is not None
     with pytest.raises(RuntimeError, match="injected failure"):
         training.train_step(3)
     monkeypatch.undo()
