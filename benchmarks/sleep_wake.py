@@ -1,12 +1,17 @@
-"""Sleep/wake acceptance run on one GPU: configs/gpt_0p9b.yaml's GPT after a few training steps.
+"""Sleep/wake acceptance run on one GPU: configs/gpt_0p9b.yaml's GPT, in the order an RL job meets it.
 
-In one process: the pinned link bandwidth (plain copies, each direction); our sleep and wake of the
-optimizer state with masters, the gradient buffers and the bf16 param buffers (two cycles: the first
-pins the host slabs, the second reuses them, as every later RL rollout does), each part timed on its
-own and the device's free memory read around it; then megatron-core's own ``offload_to_cpu()`` /
-``restore_from_cpu()`` plus the buffers' ``offload_to_cpu()`` / ``reload_from_cpu()`` on the same
-model, timed and measured the same way. Checks (exit 1 if one fails): in the second cycle every part
-at least 80% of the link in each direction, and the free memory rose by at least 95% of the bytes moved.
+In one process: the pinned link (plain 4 GiB copies each way, median of 5: the reference every figure
+is held against); the GPT built and ``sleep_wake_for(...).prepare(optimizer, grads, params)`` at setup
+(the host memory pinned ahead, GiB and GiB/s); ``--steps`` training steps; then ``--cycles`` cycles of
+sleep (optimizer state with masters, gradient buffers, bf16 param buffers), wake and one training step,
+the first cycle included, each part timed on the link in each direction (CUDA events) and the device's
+free memory read around each sleep; then megatron-core's own ``offload_to_cpu()`` /
+``restore_from_cpu()`` plus the buffers' ``offload_to_cpu()`` / ``reload_from_cpu()`` on the same model,
+timed and measured the same way.
+
+Checks (exit status 1 if one fails), every cycle: every part at least 80% of the link in each
+direction; the whole sleep and the whole wake, wall clock (pinning, allocation and giving memory back
+included), at least 80%; the device's free memory rose by at least 95% of the bytes moved.
 
     PYTHONPATH=$PWD:$MEGATRON python benchmarks/sleep_wake.py --json results/sleep-wake-h100/result.json
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -29,8 +35,9 @@ ALLOCATOR_NOTE = use_expandable_segments_by_default()  # before CUDA starts, as 
 
 import torch  # noqa: E402
 
-from megatron_offload import sleep_wake_for  # noqa: E402
+from megatron_offload import MegatronSleeper, sleep_wake_for  # noqa: E402
 from megatron_offload.host_memory import HostSlab  # noqa: E402
+from megatron_offload.sleep import SleepReport  # noqa: E402
 from tests.gpu import harness  # noqa: E402
 
 GB, GIB = 1e9, 2**30
@@ -47,19 +54,20 @@ SHAPE = harness.GPTShape(
     num_micro_batches=4,
 )
 MIN_LINK_FRACTION, MIN_FREED_FRACTION = 0.80, 0.95
+DIRECTIONS = {"sleep": "d2h_GBps", "wake": "h2d_GBps"}
 
 
 def pinned_link(nbytes: int = 4 * GIB, repeats: int = 5) -> dict[str, float]:
     """Median GB/s of one plain copy of ``nbytes`` between the device and pinned host memory."""
-    slab = HostSlab(nbytes, torch.uint8, pin=True)
+    slab = HostSlab(nbytes, torch.uint8, pin=True, label="host memory for the link reference")
     assert slab.pinned, "could not pin host memory for the link reference"
     device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
 
     def seconds(destination: torch.Tensor, source: torch.Tensor) -> float:
-        torch.cuda.synchronize()
+        torch.cuda.synchronize()  # a clean start: nothing queued before is timed
         start = time.perf_counter()
         destination.copy_(source, non_blocking=True)
-        torch.cuda.synchronize()
+        torch.cuda.synchronize()  # landed: the time is the copy's
         return time.perf_counter() - start
 
     out = statistics.median(seconds(slab.tensor, device) for _ in range(repeats))
@@ -70,31 +78,54 @@ def pinned_link(nbytes: int = 4 * GIB, repeats: int = 5) -> dict[str, float]:
     return {"d2h_GBps": nbytes / out / GB, "h2d_GBps": nbytes / back / GB}
 
 
-def ours(training: harness.GPTTraining, iteration: int) -> list[dict]:
-    """Two sleep/wake cycles with a training step between them; then everything back for good."""
-    sleeper = sleep_wake_for(training.optimizer)
-    cycles = []
-    for cycle in range(2):
+def parts_of(report: SleepReport, link: float) -> dict[str, dict]:
+    return {
+        t.part: {
+            "bytes": t.nbytes,
+            "s": t.seconds,
+            "GBps": t.gb_per_s,
+            "of_link": t.gb_per_s / link,
+            "setup_s": t.setup_seconds,
+        }
+        for t in report.transfers
+        if t.nbytes
+    }
+
+
+def ours(
+    training: harness.GPTTraining, sleeper: MegatronSleeper, link: dict[str, float], cycles: int, first: int
+) -> list[dict]:
+    """``cycles`` sleep/wake cycles, each followed by a training step (bitwise as without the pause:
+    tests/gpu/test_sleep.py); the first cycle is the first sleep of the run."""
+    out = []
+    for cycle in range(cycles):
         torch.cuda.synchronize()
         asleep = sleeper.sleep(optimizer=True, grads=True, params=True)
         awake = sleeper.wake()
-        cycles.append(
+        loss = training.train_step(first + cycle)[0]
+        out.append(
             {
                 "cycle": cycle + 1,
-                "sleep": {t.part: {"bytes": t.nbytes, "s": t.seconds, "GBps": t.gb_per_s} for t in asleep.transfers},
-                "wake": {t.part: {"bytes": t.nbytes, "s": t.seconds, "GBps": t.gb_per_s} for t in awake.transfers},
+                "sleep": parts_of(asleep, link["d2h_GBps"]),
+                "wake": parts_of(awake, link["h2d_GBps"]),
                 "bytes": asleep.nbytes,
                 "sleep_s": asleep.seconds,
+                "sleep_GBps": asleep.gb_per_s,
                 "wake_s": awake.seconds,
-                "device_free_rise_bytes": asleep.device_free_after - asleep.device_free_before,
+                "wake_GBps": awake.gb_per_s,
+                "pinned_on_the_way_bytes": sum(t.nbytes for t in asleep.pinned),
+                "device_free_rise_bytes": asleep.given_back,
+                "held_by_allocator_bytes": asleep.held_by_allocator,
+                "loss_after": loss,
+                "sleep_line": asleep.describe(),
+                "wake_line": awake.describe(),
             }
         )
-        training.train_step(iteration + cycle)  # ready for the next step, bitwise (tests/gpu/test_sleep.py)
-    sleeper.close()
-    return cycles
+        print(f"cycle {cycle + 1}: sleep {asleep.describe()}\n         wake {awake.describe()}", flush=True)
+    return out
 
 
-def megatron_core(training: harness.GPTTraining) -> list[dict]:
+def megatron_core(training: harness.GPTTraining, state_bytes: int, param_bytes: int) -> list[dict]:
     """megatron-core's own calls (as its RL path and verl use them), two cycles, timed the same way."""
     buffers = [b for chunk in training.model for b in chunk.buffers + chunk.expert_parallel_buffers]
     cycles = []
@@ -122,60 +153,97 @@ def megatron_core(training: harness.GPTTraining) -> list[dict]:
             {
                 "cycle": cycle + 1,
                 "optimizer_offload_to_cpu_s": middle - start,
+                "optimizer_offload_GBps": state_bytes / (middle - start) / GB,
                 "buffers_offload_to_cpu_s": offloaded - middle,
+                "params_offload_GBps": param_bytes / (offloaded - middle) / GB,
                 "buffers_reload_from_cpu_s": reloaded - offloaded,
+                "params_reload_GBps": param_bytes / (reloaded - offloaded) / GB,
                 "optimizer_restore_from_cpu_s": restored - reloaded,
+                "optimizer_restore_GBps": state_bytes / (restored - reloaded) / GB,
                 "offload_s": offloaded - start,
                 "restore_s": restored - offloaded,
                 "device_free_rise_bytes": free_after - free_before,
                 "note": "grad buffers are freed and zeroed, not copied",
             }
         )
+        print(f"megatron-core cycle {cycle + 1}: {json.dumps(cycles[-1])}", flush=True)
     return cycles
 
 
 def checks(link: dict[str, float], cycle: dict) -> list[str]:
-    failures = []
-    for direction, key in (("sleep", "d2h_GBps"), ("wake", "h2d_GBps")):
+    failures, name = [], f"cycle {cycle['cycle']}"
+    for direction, key in DIRECTIONS.items():
         for part, moved in cycle[direction].items():
-            if moved["GBps"] < MIN_LINK_FRACTION * link[key]:
-                failures.append(f"{direction} {part}: {moved['GBps']:.1f} GB/s < 80% of {link[key]:.1f} GB/s")
+            if moved["of_link"] < MIN_LINK_FRACTION:
+                failures.append(
+                    f"{name} {direction} {part}: {moved['GBps']:.1f} GB/s = {moved['of_link']:.0%} of the link's "
+                    f"{link[key]:.1f} GB/s"
+                )
+        rate = cycle[f"{direction}_GBps"]
+        if rate < MIN_LINK_FRACTION * link[key]:
+            failures.append(f"{name} {direction}, wall clock: {rate:.1f} GB/s = {rate / link[key]:.0%} of the link")
     if cycle["device_free_rise_bytes"] < MIN_FREED_FRACTION * cycle["bytes"]:
         failures.append(
-            f"free memory rose {cycle['device_free_rise_bytes'] / GIB:.2f} GiB for {cycle['bytes'] / GIB:.2f}"
+            f"{name}: free memory rose {cycle['device_free_rise_bytes'] / GIB:.2f} GiB for {cycle['bytes'] / GIB:.2f}"
+            " GiB moved"
         )
     return failures
+
+
+def commit() -> str:
+    """The device machine's copy of the tree has no .git: MEGATRON_OFFLOAD_COMMIT passes it in."""
+    found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
+    return os.environ.get("MEGATRON_OFFLOAD_COMMIT") or found.stdout.strip() or "unknown"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path, default=Path("results/sleep-wake/result.json"))
     parser.add_argument("--steps", type=int, default=3, help="training steps before the first sleep")
+    parser.add_argument("--cycles", type=int, default=3, help="sleep/wake cycles of ours, the first included")
     args = parser.parse_args()
     # The harness's GPTModel ties embeddings by default; the config unties them.
     harness.GPTModel = functools.partial(harness.GPTModel, share_embeddings_and_output_weights=False)
     harness.init_distributed()
     link = pinned_link()
+    print(f"pinned link: {link['d2h_GBps']:.1f} GB/s to host, {link['h2d_GBps']:.1f} GB/s to the GPU", flush=True)
     training = harness.build_gpt_training(SHAPE, lr=1e-4, clip_grad=1.0)
+    sleeper = sleep_wake_for(training.optimizer)
+    prepared = sleeper.prepare(optimizer=True, grads=True, params=True)  # at setup, as an RL framework does
+    print(f"prepare: {prepared.describe()}", flush=True)
     losses = [training.train_step(i)[0] for i in range(args.steps)]
     result = {
         "device": torch.cuda.get_device_name(),
         "megatron_core_version": version("megatron-core"),
         "torch": torch.__version__,
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-        "command": " ".join([sys.executable, *sys.argv]),
-        "allocator": ALLOCATOR_NOTE or "as configured by PYTORCH_CUDA_ALLOC_CONF",
+        "commit": commit(),
+        "command": " ".join(["python", *sys.argv]),
+        "allocator": ALLOCATOR_NOTE or f"PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')}",
         "parameters": sum(p.numel() for p in training.model[0].parameters()),
         "state_bytes": harness.state_bytes(training),
         "losses": losses,
         "pinned_link": link,
-        "ours": ours(training, args.steps),
-        "megatron_core": megatron_core(training),
+        "prepare": {
+            t.part: {"bytes": t.nbytes, "s": t.seconds, "GiBps": t.nbytes / GIB / t.seconds if t.seconds else 0.0}
+            for t in prepared.transfers
+        },
+        "ours": ours(training, sleeper, link, args.cycles, args.steps),
     }
-    result["failures"] = checks(link, result["ours"][-1])
+    sleeper.close()
+    param_bytes = sum(b.param_data.numel() * b.param_data.element_size() for b in training.model[0].buffers)
+    result["megatron_core"] = megatron_core(training, result["state_bytes"], param_bytes)
+    result["failures"] = [failure for cycle in result["ours"] for failure in checks(link, cycle)]
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
-    print(json.dumps({k: v for k, v in result.items() if k not in ("losses",)}, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("losses", "ours")}, indent=2))
+    for cycle in result["ours"]:
+        for direction in DIRECTIONS:
+            parts = ", ".join(
+                f"{part} {moved['GBps']:.1f} GB/s ({moved['of_link']:.0%})" for part, moved in cycle[direction].items()
+            )
+            print(f"cycle {cycle['cycle']} {direction}: {parts}; wall {cycle[f'{direction}_GBps']:.1f} GB/s")
+        rose = cycle["device_free_rise_bytes"] / cycle["bytes"]
+        print(f"cycle {cycle['cycle']}: free memory rose by {rose:.1%} of the bytes moved")
     print("PASS" if not result["failures"] else "FAIL:\n" + "\n".join(result["failures"]))
     return 1 if result["failures"] else 0
 

@@ -35,9 +35,18 @@ class HostSlab:
     """One flat CPU buffer of a single dtype, pinned in place when CUDA allows it.
 
     ``on_pin_failure``: "warn" falls back to pageable memory with a warning that says what it costs
-    (measured then); "raise" stops with a ``HostMemoryError`` instead, before training starts."""
+    (measured then); "raise" stops with a ``HostMemoryError`` instead, before training starts. ``label``
+    names the memory in the pinning progress lines and errors (sleep pins slabs of its own)."""
 
-    def __init__(self, numel: int, dtype: torch.dtype, pin: bool, on_pin_failure: str = "warn") -> None:
+    def __init__(
+        self,
+        numel: int,
+        dtype: torch.dtype,
+        pin: bool,
+        on_pin_failure: str = "warn",
+        *,
+        label: str = "optimizer state's host memory",
+    ) -> None:
         if on_pin_failure not in ("warn", "raise"):
             raise ValueError(f"on_pin_failure must be 'warn' or 'raise', got {on_pin_failure!r}")
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
@@ -45,13 +54,13 @@ class HostSlab:
             self.tensor = torch.empty(numel, dtype=dtype)
         except RuntimeError as error:  # the C allocator refused: say how much and what to do
             raise HostMemoryError(
-                f"megatron-offload: could not allocate {nbytes / GIB:.2f} GiB of host memory for the offloaded "
-                f"optimizer state ({_one_line(error)}); the host ran short. Free host memory, run fewer ranks "
+                f"megatron-offload: could not allocate {nbytes / GIB:.2f} GiB of {label} "
+                f"({_one_line(error)}); the host ran short. Free host memory, run fewer ranks "
                 "per node, or add --no-offload-master-weights."
             ) from error
         self.pinned = False
         if pin and nbytes > 0 and _cuda_available():
-            with pin_progress(nbytes, "optimizer state's host memory"):  # seconds per 10 GiB: say so
+            with pin_progress(nbytes, label):  # seconds per 10 GiB: say so
                 error = _pin(self.tensor.data_ptr(), nbytes)
             if error == 0:
                 self.pinned = True

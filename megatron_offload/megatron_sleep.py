@@ -1,5 +1,8 @@
 """Sleep and wake for megatron-core training: every touch of megatron-core internals it needs.
 
+This module may import megatron_adapter (the offloading side); megatron_adapter never imports this one.
+Of an attached handle it reads ``offloaders`` and ``in_step`` only.
+
 Checked against megatron-core 0.16.1 and 0.19.2. What we rely on:
 - DDP model chunks' ``buffers`` and ``expert_parallel_buffers`` (``_ParamAndGradBuffer``), each with
   ``.grad_data`` and, with the distributed optimizer, ``.param_data``: one flat tensor per buffer that
@@ -26,9 +29,9 @@ from typing import Any
 import torch
 
 from megatron_offload.engine import OptimizerStateOffloader
-from megatron_offload.megatron_adapter import _HANDLE_ATTR, MIB, _master_weights, distributed_optimizers
+from megatron_offload.gpu_memory import expandable_segments_from_now
+from megatron_offload.megatron_adapter import _HANDLE_ATTR, _master_weights, distributed_optimizers
 from megatron_offload.sleep import DEFAULT_CHUNK_BYTES, Sleeper, SleepError, SleepReport
-from megatron_offload.units import GIB
 
 logger = logging.getLogger(__name__)
 
@@ -69,12 +72,14 @@ class MegatronSleeper:
         self.handle = handle
         if handle is not None:  # --offload-optimizer-states: the state already lives on the host between steps
             offloaders = list(handle.offloaders)
-        else:  # ours, kept for reuse; the host memory is checked by the sleep, before anything moves
+        else:  # ours, kept for reuse; prepare() or the first sleep pins their slab, after a host-memory check
             offloaders = [
                 OptimizerStateOffloader(
                     d.optimizer,
                     _master_weights(d),
-                    chunk_bytes=64 * MIB,
+                    # Large chunks: few copies, and blocks large enough that the allocator gives back all
+                    # but their edges when a sleep frees them.
+                    chunk_bytes=chunk_bytes,
                     pin_memory=pin_memory,
                     check_host_memory=False,
                 )
@@ -98,6 +103,12 @@ class MegatronSleeper:
             chunk_bytes=chunk_bytes,
             pin_memory=pin_memory,
         )
+        # Memory goes back to the device only from allocator segments with nothing live left in them; with
+        # expandable segments that is page by page. The buffers and state blocks that wakes allocate from
+        # now on land in them (as with attach_offloader; the user's PYTORCH_CUDA_ALLOC_CONF stands).
+        allocator_note = expandable_segments_from_now()
+        if allocator_note:
+            logger.warning(allocator_note)
         self._stepping = False
         self._guards: list[Any] = []  # removed at wake: forward hooks, instance attributes
         self._step_before = vars(optimizer).get("step")  # an attached handle's wrapper, or None
@@ -124,12 +135,24 @@ class MegatronSleeper:
     def is_asleep(self) -> bool:
         return self.sleeper.is_asleep
 
+    def _parts(self, optimizer: bool, grads: bool, params: bool) -> list[str]:
+        if params and not self._has_param_buffers:
+            raise SleepError("params=True needs DDP param buffers: build with the distributed optimizer")
+        return [name for name, wanted in ((OPTIMIZER, optimizer), (GRADS, grads), (PARAMS, params)) if wanted]
+
+    def prepare(self, *, optimizer: bool = True, grads: bool = False, params: bool = False) -> SleepReport:
+        """Pin the host memory that sleeping these parts needs, now, so that the first sleep runs at the
+        link's speed (about 0.5 s per GiB; a progress line with GiB and GiB/s per slab on the first rank).
+        Call it at setup, with the parts your sleeps will move. Nothing moves. With
+        ``--offload-optimizer-states`` the optimizer part is already in the handle's slab: 0 bytes."""
+        report = self.sleeper.prepare(self._parts(optimizer, grads, params))
+        logger.info("megatron-offload: %s", report.describe())
+        return report
+
     def sleep(self, *, optimizer: bool = True, grads: bool = False, params: bool = False) -> SleepReport:
         """Move the optimizer state and fp32 masters (and, if asked, the gradient and bf16 param
         buffers) to pinned host memory and give the device memory back. Between training steps only."""
-        if params and not self._has_param_buffers:
-            raise SleepError("params=True needs DDP param buffers: build with the distributed optimizer")
-        parts = [name for name, wanted in ((OPTIMIZER, optimizer), (GRADS, grads), (PARAMS, params)) if wanted]
+        parts = self._parts(optimizer, grads, params)
         report = self.sleeper.sleep(parts)
         # Code that would touch freed memory fails with a sentence instead of a device fault.
         if params:
@@ -138,12 +161,7 @@ class MegatronSleeper:
             for chunk in self.model_chunks:  # the first thing a training step does (writes the grad buffer)
                 chunk.zero_grad_buffer = _refuse_zero_grad
                 self._guards.append(_Unset(chunk, "zero_grad_buffer"))
-        logger.info(
-            "megatron-offload: asleep (%s): %.2f GiB to host in %.3f s",
-            ", ".join(parts),
-            report.nbytes / GIB,
-            report.seconds,
-        )
+        logger.info("megatron-offload: asleep (%s): %s", ", ".join(parts), report.describe())
         return report
 
     def wake(self) -> SleepReport:
@@ -152,7 +170,7 @@ class MegatronSleeper:
         for guard in self._guards:
             guard.remove()
         self._guards = []
-        logger.info("megatron-offload: awake: %.2f GiB back in %.3f s", report.nbytes / GIB, report.seconds)
+        logger.info("megatron-offload: awake: %s", report.describe())
         return report
 
     def close(self) -> None:
@@ -194,7 +212,8 @@ def sleep_wake_for(
 ) -> MegatronSleeper:
     """The sleep/wake object of a megatron-core optimizer (a DistributedOptimizer or a ChainedOptimizer
     of them), made on first call and reused. ``model_chunks`` default to the optimizer's own. Works with
-    and without an attached offloader (``attach_offloader`` first if you use one)."""
+    and without an attached offloader (``attach_offloader`` first if you use one). ``chunk_bytes`` is
+    the size of the pieces that move; call ``prepare()`` on the result at setup."""
     existing = vars(optimizer).get(_SLEEPER_ATTR)
     if existing is not None:
         if existing.handle is not getattr(optimizer, _HANDLE_ATTR, None):

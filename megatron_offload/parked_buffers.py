@@ -1,12 +1,13 @@
 """Flat device buffers parked whole in pinned host memory: the gradient and parameter buffers of a sleep.
 
-Knows nothing of Megatron: a buffer is a tensor whose whole storage moves. Copies run on a side
-stream in chunks, and a buffer's device storage is freed only once its copy has landed.
+Knows nothing of Megatron: a buffer is a tensor whose whole storage moves. This module only queues
+copies on whatever stream the caller made current and frees or grows storages; which stream, what the
+copies wait for and when freeing is safe are decided by the caller (sleep.py), which sees every part
+of a sleep at once and can line them up on the link back to back.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,17 +18,26 @@ from megatron_offload.units import MIB
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "ParkedBuffers", "Transfer"]
 
-DEFAULT_CHUNK_BYTES = 256 * MIB  # large enough that per-copy overhead is lost in the link time
+# Large enough that per-copy cost is lost in the link time (a 512 MiB copy takes about 10 ms at
+# 50 GB/s); the engine's chunks of sleep's own offloaders use it too, where fewer chunks also means
+# fewer block edges that the allocator cannot give back.
+DEFAULT_CHUNK_BYTES = 512 * MIB
 ALIGN = 256  # each storage starts on this boundary in the host slab
 
 
 @dataclass
 class Transfer:
-    """One part moved in one direction."""
+    """One part moved in one direction (or, in a prepare report, one part's host memory pinned).
+
+    ``seconds`` is the part's time on the link: from the moment its copies could start (the previous
+    part's copies landed) until its last copy landed, read from CUDA events; on the CPU, the host time
+    of its copies. ``setup_seconds`` is host time spent before its copies could be queued that the
+    link did not hide (a wake allocating device memory while nothing else was copying)."""
 
     part: str
     nbytes: int
     seconds: float
+    setup_seconds: float = 0.0
 
     @property
     def gb_per_s(self) -> float:
@@ -44,13 +54,20 @@ def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
 
 
 class ParkedBuffers:
-    """Flat device buffers parked whole in one pinned host slab, pinned at the first park and reused.
+    """Flat device buffers parked whole in one pinned host slab, pinned once (``prepare()`` or the first
+    park) and reused.
 
     Each tensor's whole storage moves: every view of it (``param.data``, ``param.main_grad``, bucket
-    views) stays a valid tensor object and sees the same bytes again after ``unpark()``.
+    views) stays a valid tensor object and sees the same bytes again after the copies back.
     """
 
-    def __init__(self, name: str, tensors: Sequence[torch.Tensor], chunk_bytes: int, pin_memory: bool = True) -> None:
+    def __init__(
+        self,
+        name: str,
+        tensors: Sequence[torch.Tensor],
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        pin_memory: bool = True,
+    ) -> None:
         self.name = name
         self.chunk_bytes = chunk_bytes
         self.pin_memory = pin_memory
@@ -67,11 +84,24 @@ class ParkedBuffers:
         return sum(self.sizes)
 
     def host_bytes_needed(self) -> int:
-        """Host bytes a park would pin now (0 once the slab exists)."""
+        """Host bytes a prepare or park would pin now (0 once the slab exists)."""
         return 0 if self.slab is not None else sum(_aligned(size) for size in self.sizes)
 
+    def prepare(self) -> int:
+        """Pin the host slab now, if it is not pinned yet (about 0.5 s per GiB); returns the bytes pinned."""
+        needed = self.host_bytes_needed()
+        if needed:
+            label = f"host memory for sleep's {self.name} buffers"
+            self.slab = HostSlab(needed, torch.uint8, self.pin_memory, label=label)
+        return needed
+
+    def intact(self) -> bool:
+        """Every storage has the size it had when we were made (nobody else freed or resized it)."""
+        return [t.untyped_storage().nbytes() for t in self.tensors] == self.sizes
+
     def _pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(device bytes, host bytes) of each storage, cut into chunks of at most ``chunk_bytes``."""
+        """(device bytes, host bytes) of each storage, cut into pieces of at most ``chunk_bytes``."""
+        assert self.slab is not None, "prepare() pins the slab before anything moves"
         pairs, offset = [], 0
         for tensor, size in zip(self.tensors, self.sizes, strict=True):
             device = _bytes_of(tensor.untyped_storage())
@@ -81,46 +111,31 @@ class ParkedBuffers:
             offset += _aligned(size)
         return pairs
 
-    def park(self, side: torch.cuda.Stream | None) -> Transfer:
-        """Copy every storage to the host slab, then free it on the device."""
-        if self.slab is None:
-            self.slab = HostSlab(self.host_bytes_needed(), torch.uint8, self.pin_memory)
-        start = time.perf_counter()
-        _copy([(host, device) for device, host in self._pairs()], side)
+    def queue_copies_out(self) -> None:
+        """Queue every storage's copy to the host slab on the current stream (all at once: one stream,
+        no host round trip between pieces). The caller orders the stream and frees only once they landed."""
+        for device, host in self._pairs():
+            host.copy_(device, non_blocking=True)
+
+    def free(self) -> None:
+        """Give every storage's device memory back to the caching allocator; views stay valid objects."""
         for tensor in self.tensors:
-            # Safe: _copy returned after the copies completed, and nothing else reads the buffer now.
             tensor.untyped_storage().resize_(0)
         self.parked = True
-        return Transfer(self.name, self.nbytes, time.perf_counter() - start)
 
-    def unpark(self, side: torch.cuda.Stream | None) -> Transfer:
-        """Allocate every storage again (same size, new memory) and copy its bytes back."""
-        start = time.perf_counter()
+    def allocate(self) -> None:
+        """Grow every storage back to its size (new memory, on the current stream, as the buffer was made)."""
         for tensor, size in zip(self.tensors, self.sizes, strict=True):
-            tensor.untyped_storage().resize_(size)  # on the compute stream, as the buffer was first made
-        _copy(self._pairs(), side)
+            tensor.untyped_storage().resize_(size)
+
+    def queue_copies_in(self) -> None:
+        """Queue every storage's copy back from the host slab on the current stream, all at once."""
+        for device, host in self._pairs():
+            device.copy_(host, non_blocking=True)
         self.parked = False
-        return Transfer(self.name, self.nbytes, time.perf_counter() - start)
 
-
-def _copy(pairs: list[tuple[torch.Tensor, torch.Tensor]], side: torch.cuda.Stream | None) -> None:
-    """(destination, source) copies on the side stream, ordered after the compute stream's queued work
-    and before its next work; returns once they have completed."""
-    if side is None:  # no CUDA: plain copies, done when they return
-        for destination, source in pairs:
-            destination.copy_(source)
-        return
-    compute = torch.cuda.current_stream(side.device)
-    # The copies read what queued kernels write (a sleep right after a step) or overwrite memory the
-    # allocator may just have taken back from queued kernels (a wake): they start after that work.
-    side.wait_stream(compute)
-    with torch.cuda.stream(side):
-        for destination, source in pairs:
-            destination.copy_(source, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(side)
-    # The compute stream must not touch the buffers before the copies have landed.
-    compute.wait_event(done)
-    # On the host: a sleep frees the device memory next and a caller's wake may step at once, so the
-    # copies must be complete when we return (this is also what makes the timing exact).
-    done.synchronize()
+    def release(self) -> None:
+        """Unpin and drop the host slab (the caller has made sure no copy uses it)."""
+        if self.slab is not None:
+            self.slab.release()
+            self.slab = None

@@ -1,29 +1,46 @@
 """Sleep and wake: hand the GPU memory of a training job to someone else between training phases.
 
 RL post-training runs an inference engine on the trainer's GPUs between updates. ``Sleeper.sleep()``
-moves what the caller names (optimizer state through the engine's copy lanes; flat device buffers,
+moves what the caller names (optimizer state through the engine's offloaders; flat device buffers,
 such as gradient and parameter buffers, whole) into pinned host memory, frees the device storage and
 returns it to the device (``torch.cuda.empty_cache()``), so ``torch.cuda.mem_get_info`` shows it free
 to other processes. ``wake()`` brings it all back, bitwise, into the same tensor objects.
 
+Host memory is pinned by ``prepare()``, which an RL framework calls at setup, so that the first sleep
+runs at the link's speed like every later one; a part that was not prepared is pinned by its first
+sleep (said in the log). Where the state already lives on the host between steps (an attached
+``--offload-optimizer-states`` handle), its offloaders and their slab are used as they are: no byte
+is pinned twice.
+
+The parts of a sleep or wake go over the link one after another, never beside each other: the
+buffers' copies on one side stream, queued all at once, then the engine's copies, which it orders
+after the compute stream's queued work, so making the compute stream wait for the buffers' copies
+puts the state's behind them. Each part's time is read from CUDA events, and a wake allocates the
+next part's device memory while the link carries the previous part.
+
 This module knows nothing of Megatron: parts are optimizer offloaders and lists of tensors whose whole
-storage is parked. Host slabs are pinned once, at the first sleep of a part, and reused; the host
-memory every new slab needs is checked before anything moves.
+storage is parked. Of the engine it uses ``prepare()``, ``offload()``, ``host_copies_ready()``,
+``wait()``, ``restore()``, ``offloaded_bytes`` and ``estimated_host_bytes()``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from megatron_offload.engine import OptimizerStateOffloader
-from megatron_offload.host_memory import GIB, HOST_MEMORY_HEADROOM, available_host_bytes
+from megatron_offload.host_memory import HOST_MEMORY_HEADROOM, available_host_bytes
 from megatron_offload.parked_buffers import DEFAULT_CHUNK_BYTES, ParkedBuffers, Transfer
+from megatron_offload.units import GIB
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "ParkedBuffers", "SleepError", "SleepReport", "Sleeper", "Transfer"]
+
+logger = logging.getLogger(__name__)
 
 
 class SleepError(RuntimeError):
@@ -32,30 +49,92 @@ class SleepError(RuntimeError):
 
 @dataclass
 class SleepReport:
-    """What a ``sleep()`` or ``wake()`` moved, how long it took, and the device's free memory around it."""
+    """What a ``prepare()``, ``sleep()`` or ``wake()`` moved (or pinned), how long it took, and the
+    device's memory around it (zeros without CUDA)."""
 
-    direction: str  # "sleep" or "wake"
-    transfers: list[Transfer] = field(default_factory=list)
-    seconds: float = 0.0
-    device_free_before: int = 0  # torch.cuda.mem_get_info()[0]; 0 without CUDA
+    direction: str  # "prepare", "sleep" or "wake"
+    transfers: list[Transfer] = field(default_factory=list)  # per part; in a prepare report, bytes pinned
+    seconds: float = 0.0  # wall clock of the whole call, pinning and allocation included
+    pinned: list[Transfer] = field(default_factory=list)  # host memory a sleep had to pin first (not prepared)
+    device_free_before: int = 0  # torch.cuda.mem_get_info()[0], after emptying PyTorch's cache
     device_free_after: int = 0
+    allocated_before: int = 0  # torch.cuda.memory_allocated(): what live tensors of this process hold
+    allocated_after: int = 0
+    reserved_after: int = 0  # torch.cuda.memory_reserved(): what PyTorch's allocator still holds
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.transfers)
 
+    @property
+    def gb_per_s(self) -> float:
+        """The whole call's rate, wall clock."""
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
-def _device_free() -> int:
-    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
+    @property
+    def given_back(self) -> int:
+        """Device memory other processes gained (a sleep) or lost (a wake, negative)."""
+        return self.device_free_after - self.device_free_before
+
+    @property
+    def held_by_allocator(self) -> int:
+        """Memory PyTorch's caching allocator still holds after the call though no tensor uses it: pages of
+        its segments shared with live tensors, which it cannot give back to the device."""
+        return self.reserved_after - self.allocated_after
+
+    def describe(self) -> str:
+        """One log line: what moved, how fast, and (a sleep) what the device got back."""
+        parts = ", ".join(f"{t.part} {t.nbytes / 1e9:.2f} GB at {t.gb_per_s:.1f} GB/s" for t in self.transfers)
+        if self.direction == "prepare":
+            return f"pinned host memory for sleep: {parts} ({self.seconds:.2f} s)"
+        line = f"{self.nbytes / 1e9:.2f} GB in {self.seconds:.3f} s ({self.gb_per_s:.1f} GB/s wall; {parts})"
+        if self.direction == "sleep" and torch.cuda.is_available():
+            share = self.given_back / self.nbytes if self.nbytes else 1.0
+            line += f"; the device got {self.given_back / 1e9:.2f} GB back ({share:.0%} of what moved)"
+            if self.held_by_allocator > 0:
+                line += (
+                    f", {self.held_by_allocator / 1e9:.2f} GB stays with PyTorch's allocator (free, but in pages "
+                    "shared with live tensors)"
+                )
+        return line
+
+
+class _Mark:
+    """A point in a stream's work (a CUDA event that records time), or the host's clock without CUDA."""
+
+    def __init__(self, stream: torch.cuda.Stream | None) -> None:
+        self.event: torch.cuda.Event | None = None
+        self.host = time.perf_counter()
+        if stream is not None:
+            self.event = torch.cuda.Event(enable_timing=True)
+            self.event.record(stream)
+
+    def synchronize(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+    def seconds_since(self, earlier: _Mark) -> float:
+        """Both marks must have been reached (the caller synchronized on the later one)."""
+        if self.event is None or earlier.event is None:
+            return self.host - earlier.host
+        return earlier.event.elapsed_time(self.event) / 1e3
+
+
+def _memory() -> tuple[int, int, int]:
+    """(device free, allocated, reserved) bytes of the current device; zeros without CUDA."""
+    if not torch.cuda.is_available():
+        return 0, 0, 0
+    return torch.cuda.mem_get_info()[0], torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
 
 
 class Sleeper:
     """Sleep and wake for a set of named parts; one sleep at a time, each refused before anything moves.
 
     ``offloaders`` hold the optimizer state (and fp32 masters). With ``state_lives_on_host`` (the state
-    is already offloaded between steps by an attached handle) a wake leaves it on the host, where the
-    next step expects it; otherwise a wake brings it back to the device. ``buffers`` maps a part name
-    to the tensors whose storages it parks. ``busy()`` returns why a sleep must wait (mid-step), or None.
+    is already offloaded between steps by an attached handle, whose slab was pinned at attach) a wake
+    leaves it on the host, where the next step expects it; otherwise a wake brings it back to the
+    device. ``buffers`` maps a part name to the tensors whose storages it parks. ``busy()`` returns why
+    a sleep must wait (mid-step), or None. ``device`` is taken from the buffers when omitted.
     """
 
     OPTIMIZER = "optimizer"
@@ -69,6 +148,7 @@ class Sleeper:
         busy: Callable[[], str | None] = lambda: None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         pin_memory: bool = True,
+        device: torch.device | None = None,
     ) -> None:
         self.offloaders = list(offloaders)
         self.buffers = {
@@ -78,6 +158,13 @@ class Sleeper:
         self.busy = busy
         self.asleep: tuple[str, ...] = ()  # the parts the current sleep moved; empty while awake
         self.last_report: SleepReport | None = None
+        self._state_pinned = state_lives_on_host  # the handle's slab holds the state already
+        if device is None:
+            tensors = [t for part in self.buffers.values() for t in part.tensors]
+            device = tensors[0].device if tensors else None
+        if device is None and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self._side: torch.cuda.Stream | None = None
 
     @property
@@ -88,22 +175,83 @@ class Sleeper:
     def is_asleep(self) -> bool:
         return bool(self.asleep)
 
+    # ------------------------------------------------------------------------------ host memory
+    def _names(self, parts: Sequence[str], what: str) -> tuple[str, ...]:
+        names = tuple(dict.fromkeys(parts))
+        unknown = [name for name in names if name not in self.parts]
+        if unknown or not names:
+            raise SleepError(f"cannot {what} {unknown or 'nothing'}: choose among {', '.join(self.parts)}")
+        return names
+
+    def _pinned(self, name: str) -> bool:
+        return self._state_pinned if name == self.OPTIMIZER else self.buffers[name].slab is not None
+
     def host_bytes_needed(self, parts: Sequence[str]) -> int:
-        """Host memory a sleep of ``parts`` would newly pin (slabs that exist are reused)."""
+        """Host memory a prepare or sleep of ``parts`` would newly pin (slabs that exist are reused)."""
         needed = sum(self.buffers[name].host_bytes_needed() for name in parts if name in self.buffers)
-        if self.OPTIMIZER in parts:
-            needed += sum(max(0, o.estimated_host_bytes() - o.stats.host_bytes) for o in self.offloaders)
+        if self.OPTIMIZER in parts and not self._state_pinned:
+            needed += sum(o.estimated_host_bytes() for o in self.offloaders)
         return needed
 
-    def _check(self, parts: Sequence[str]) -> None:
+    def _check_host_room(self, parts: Sequence[str], what: str) -> None:
+        needed = self.host_bytes_needed(parts)
+        available = available_host_bytes()
+        if needed > available * HOST_MEMORY_HEADROOM:
+            raise SleepError(
+                f"{what} needs {needed / GIB:.2f} GiB of new pinned host memory but {available / GIB:.2f} GiB is "
+                f"available ({1 - HOST_MEMORY_HEADROOM:.0%} kept free): sleep fewer parts or free host memory"
+            )
+
+    def prepare(self, parts: Sequence[str] = (OPTIMIZER,)) -> SleepReport:
+        """Pin the host memory a sleep of ``parts`` needs, now (about 0.5 s per GiB; a progress line per
+        slab on the first rank), so that the first sleep runs at the link's speed. Nothing moves; safe to
+        call again (slabs that exist are kept). Call it at setup, before the first rollout."""
+        names = self._names(parts, "prepare")
+        self._check_host_room(names, "prepare")
+        report = SleepReport("prepare")
+        start = time.perf_counter()
+        report.transfers = [self._pin(name) for name in names]
+        report.seconds = time.perf_counter() - start
+        return report
+
+    def _pin(self, name: str) -> Transfer:
+        start = time.perf_counter()
+        if name != self.OPTIMIZER:
+            nbytes = self.buffers[name].prepare()
+        elif self._state_pinned:
+            nbytes = 0  # in the handle's slab, or pinned before
+        else:
+            nbytes = sum(o.estimated_host_bytes() for o in self.offloaders)
+            for offloader in self.offloaders:
+                offloader.prepare()  # plans the state and pins its slab; no copies
+            self._state_pinned = True
+        return Transfer(name, nbytes, time.perf_counter() - start)
+
+    # ---------------------------------------------------------------------------------- streams
+    @property
+    def _on_cuda(self) -> bool:
+        return self.device is not None and self.device.type == "cuda"
+
+    def _compute(self) -> torch.cuda.Stream | None:
+        return torch.cuda.current_stream(self.device) if self._on_cuda else None
+
+    def _side_stream(self) -> torch.cuda.Stream | None:
+        if self._side is None and self._on_cuda:
+            self._side = torch.cuda.Stream(self.device)
+        return self._side
+
+    @contextlib.contextmanager
+    def _on(self, stream: torch.cuda.Stream | None) -> Iterator[None]:
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            yield
+
+    # ------------------------------------------------------------------------------------ sleep
+    def _check(self, parts: tuple[str, ...]) -> None:
         if self.asleep:
             raise SleepError(f"already asleep ({', '.join(self.asleep)}): call wake() before sleeping again")
-        unknown = [name for name in parts if name not in self.parts]
-        if unknown or not parts:
-            raise SleepError(f"cannot sleep {unknown or 'nothing'}: choose among {', '.join(self.parts)}")
         for name in parts:
             part = self.buffers.get(name)
-            if part is not None and [t.untyped_storage().nbytes() for t in part.tensors] != part.sizes:
+            if part is not None and not part.intact():
                 raise SleepError(
                     f"cannot sleep {name}: a buffer was freed or resized by someone else since (megatron-core's "
                     "offload_grad_buffers?): bring it back first"
@@ -111,81 +259,127 @@ class Sleeper:
         reason = self.busy()
         if reason:
             raise SleepError(f"cannot sleep {reason}: call sleep() between training steps")
-        needed = self.host_bytes_needed(parts)
-        available = available_host_bytes()
-        if needed > available * HOST_MEMORY_HEADROOM:
-            raise SleepError(
-                f"sleep needs {needed / GIB:.2f} GiB of new pinned host memory but {available / GIB:.2f} GiB is "
-                f"available ({1 - HOST_MEMORY_HEADROOM:.0%} kept free): sleep fewer parts or free host memory"
-            )
-
-    def _stream(self) -> torch.cuda.Stream | None:
-        tensors = [t for part in self.buffers.values() for t in part.tensors]
-        if self._side is None and tensors and tensors[0].is_cuda:
-            self._side = torch.cuda.Stream(tensors[0].device)
-        return self._side
+        self._check_host_room(parts, "sleep")
 
     def sleep(self, parts: Sequence[str] = (OPTIMIZER,)) -> SleepReport:
         """Move ``parts`` to pinned host memory and give their device memory back to the device."""
-        parts = tuple(dict.fromkeys(parts))
-        self._check(parts)
-        if torch.cuda.is_available():
+        names = self._names(parts, "sleep")
+        self._check(names)
+        if self._on_cuda:
             # Cached blocks freed earlier (activations) would otherwise count as what this sleep gave back.
             torch.cuda.empty_cache()
-        report = SleepReport("sleep", device_free_before=_device_free())
+        free, allocated, _ = _memory()
+        report = SleepReport("sleep", device_free_before=free, allocated_before=allocated)
         start = time.perf_counter()
-        if self.OPTIMIZER in parts:
-            report.transfers.append(self._offload_state())
-        for name in parts:
-            if name in self.buffers:
-                report.transfers.append(self.buffers[name].park(self._stream()))
-        if torch.cuda.is_available():
+        report.pinned = [self._pin(name) for name in names if not self._pinned(name)]
+        if report.pinned:
+            logger.warning(
+                "megatron-offload: the first sleep pinned %.2f GiB of host memory on the way (%.1f s): call "
+                "prepare() at setup so that the first sleep runs at the link's speed",
+                sum(t.nbytes for t in report.pinned) / GIB,
+                sum(t.seconds for t in report.pinned),
+            )
+        buffers = [self.buffers[name] for name in names if name in self.buffers]
+        compute, side = self._compute(), self._side_stream()
+        if side is not None:
+            # The copies read what kernels queued on the compute stream write (a sleep right after a step).
+            side.wait_stream(compute)
+        link = _Mark(side)  # where the link is ours: after the compute stream's queued work
+        timed: list[tuple[Transfer, _Mark, _Mark]] = []  # (part, its copies could start, they landed)
+        for part in buffers:
+            with self._on(side):
+                part.queue_copies_out()
+            landed = _Mark(side)
+            timed.append((Transfer(part.name, part.nbytes, 0.0), link, landed))
+            link = landed
+        if side is not None:
+            # The engine orders its copies after the compute stream's queued work: this puts them behind
+            # the buffers' on the link (one part at a time, each timed on its own), and keeps compute work
+            # from writing a buffer before its copy has read it.
+            compute.wait_event(link.event)
+        buffers_landed = link
+        if self.OPTIMIZER in names:
+            moved = self._offload_state()  # returns once the state's copies have landed
+            landed = _Mark(compute)  # nothing else is queued on the compute stream: reached at once
+            timed.append((Transfer(self.OPTIMIZER, moved, 0.0), link, landed))
+            link = landed
+        # On the host: a buffer's device memory is freed next, so its copies must have landed.
+        buffers_landed.synchronize()
+        for part in buffers:
+            part.free()
+        if self._on_cuda:
             # What we freed sits in PyTorch's cache, still taken as far as the device is concerned.
             torch.cuda.empty_cache()
         report.seconds = time.perf_counter() - start
-        report.device_free_after = _device_free()
-        self.asleep, self.last_report = parts, report
+        link.synchronize()  # reached already; elapsed times need every mark reached
+        for transfer, began, landed in timed:
+            transfer.seconds = landed.seconds_since(began)
+            report.transfers.append(transfer)
+        report.device_free_after, report.allocated_after, report.reserved_after = _memory()
+        self.asleep, self.last_report = names, report
         return report
 
-    def _offload_state(self) -> Transfer:
-        start = time.perf_counter()
+    def _offload_state(self) -> int:
+        """Offload the state through the engine; returns the bytes that left the device."""
         before = sum(o.offloaded_bytes for o in self.offloaders)
         for offloader in self.offloaders:
-            offloader.offload()  # through the engine's lanes: never a chunk a lane is still copying
+            offloader.offload()  # every chunk's copy queued at once, after the compute stream's work
         for offloader in self.offloaders:
-            # Blocks until the copies have landed and the lanes have dropped the device memory.
+            # Blocks until the copies have landed and the engine has dropped the device memory they read.
             offloader.host_copies_ready()
-        moved = sum(o.offloaded_bytes for o in self.offloaders) - before
-        return Transfer(self.OPTIMIZER, moved, time.perf_counter() - start)
+        return sum(o.offloaded_bytes for o in self.offloaders) - before
 
+    # ------------------------------------------------------------------------------------- wake
     def wake(self) -> SleepReport:
         """Bring back everything the last sleep moved, bitwise, ready for the next training step."""
         if not self.asleep:
             raise SleepError("not asleep: wake() follows a sleep()")
-        report = SleepReport("wake", device_free_before=_device_free())
+        free, allocated, _ = _memory()
+        report = SleepReport("wake", device_free_before=free, allocated_before=allocated)
         start = time.perf_counter()
-        for name in self.asleep:  # the buffers (params first) before the state: the step reads it last
-            if name in self.buffers:
-                report.transfers.append(self.buffers[name].unpark(self._stream()))
-        if self.OPTIMIZER in self.asleep:
-            report.transfers.append(self._bring_state_back())
+        # The smallest first: the first part's allocation is the only one no copy runs beside.
+        buffers = sorted((self.buffers[n] for n in self.asleep if n in self.buffers), key=lambda p: p.nbytes)
+        compute, side = self._compute(), self._side_stream()
+        timed: list[tuple[Transfer, _Mark, _Mark]] = []  # (part, its copies could start, they landed)
+        link: _Mark | None = None
+        for part in buffers:
+            allocating = time.perf_counter()
+            part.allocate()  # on the compute stream, while the link carries the previous part
+            setup = time.perf_counter() - allocating
+            if side is not None:
+                # The allocator may hand out memory that kernels queued on the compute stream still use.
+                side.wait_stream(compute)
+            link = link or _Mark(side)  # the link is ours from here: after the first part's allocation
+            with self._on(side):
+                part.queue_copies_in()
+            landed = _Mark(side)
+            timed.append((Transfer(part.name, part.nbytes, 0.0, setup), link, landed))
+            link = landed
+        if side is not None and link is not None:
+            # Compute work must not read a buffer before its copy has landed; and the engine's copies,
+            # which it orders after the compute stream's queued work, go behind the buffers' on the link.
+            compute.wait_event(link.event)
+        if self.OPTIMIZER in self.asleep and not self.state_lives_on_host:
+            link = link or _Mark(compute)
+            moved = sum(o.offloaded_bytes for o in self.offloaders)
+            for offloader in self.offloaders:
+                offloader.wait()  # the compute stream is ordered after its copies, on the device
+            landed = _Mark(compute)  # reached once the engine's copies landed: the compute stream waits for them
+            timed.append((Transfer(self.OPTIMIZER, moved, 0.0), link, landed))
+            link = landed
+        if link is not None:
+            # On the host: when wake() returns every byte is in place (and the times are the transfers').
+            link.synchronize()
         report.seconds = time.perf_counter() - start
-        report.device_free_after = _device_free()
+        for transfer, began, landed in timed:
+            transfer.seconds = landed.seconds_since(began)
+            report.transfers.append(transfer)
+        if self.OPTIMIZER in self.asleep and self.state_lives_on_host:
+            # The attached handle brings the state back during the next step, as after any step.
+            report.transfers.append(Transfer(self.OPTIMIZER, 0, 0.0))
+        report.device_free_after, report.allocated_after, report.reserved_after = _memory()
         self.asleep, self.last_report = (), report
         return report
-
-    def _bring_state_back(self) -> Transfer:
-        if self.state_lives_on_host:  # the attached handle brings it back during the next step
-            return Transfer(self.OPTIMIZER, 0, 0.0)
-        start = time.perf_counter()
-        moved = sum(o.offloaded_bytes for o in self.offloaders)
-        for offloader in self.offloaders:
-            offloader.wait()
-        if torch.cuda.is_available():
-            # The engine orders the compute stream after its copies; wait for them here so the time is
-            # the transfer's and a caller's next kernels find the state in place.
-            torch.cuda.current_stream().synchronize()
-        return Transfer(self.OPTIMIZER, moved, time.perf_counter() - start)
 
     def close(self) -> None:
         """Wake if asleep, give every tensor its own device storage back and free every host slab."""
@@ -195,6 +389,4 @@ class Sleeper:
             for offloader in self.offloaders:
                 offloader.restore()
         for part in self.buffers.values():
-            if part.slab is not None:
-                part.slab.release()
-                part.slab = None
+            part.release()

@@ -11,6 +11,10 @@ has room, so an uncapped peak does not show it).
     python scripts/integration.py --gpus 1 --out results/      # every 1-GPU entry
     python scripts/integration.py --only dp2 tp2               # by name, in the table's order
     python scripts/integration.py --only crash-after-step crash-backward crash-checkpoint --out results/crash
+
+Every run is bounded (``--bound-s``; crash_entries.Bounds for the crash entries): its log goes straight to
+a file, and a run past its bound is killed with every process it started (crash_entries.run_bounded);
+its entry then fails with a verdict naming the run, where it was and its last log lines.
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -41,6 +44,7 @@ SHORT = ["--train-iters", "6", "--log-memory-interval", "6"]
 GPT_1B = ["scripts/pretrain_gpt.py", "--config", "configs/gpt_1b.yaml", *SHORT]
 GPT_TP2 = ["scripts/pretrain_gpt.py", "--config", "configs/gpt_tp2.yaml", *SHORT]
 PLAIN_SCRIPT = "tests/gpu/plain_megatron_script.py"
+BOUND_S = 1200.0  # any one run of the other entries (gpt-1b's 6 iterations take a few minutes with start-up)
 
 
 @dataclass
@@ -142,24 +146,25 @@ def parse_log(text: str) -> dict:
     }
 
 
-def run(entry: Entry, run_name: str, argv: list[str], out: Path) -> dict:
-    # Megatron initializes torch.distributed from torchrun's environment, on one GPU too.
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(entry.gpus)]
-    command = launcher + argv
+def run(entry: Entry, run_name: str, argv: list[str], out: Path, bound_s: float) -> dict:
+    """One run under torchrun, bounded: what the checks read from its log, and how it ended."""
+    command = crash_entries.torchrun(entry.gpus) + argv
     log = out / f"{entry.name}-{run_name}.log"
     print(f"[{entry.name}/{run_name}] {' '.join(command)}", flush=True)
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **entry.env})
-    log.write_text(result.stdout + result.stderr)
-    parsed = parse_log(result.stdout + result.stderr)
-    parsed["returncode"] = result.returncode
-    if result.returncode != 0:
-        print((result.stdout + result.stderr)[-3000:], flush=True)
+    outcome = crash_entries.run_bounded(command, log, bound_s=bound_s, env={**os.environ, **entry.env}, cwd=ROOT)
+    parsed = parse_log(outcome.text)
+    parsed |= {"returncode": outcome.returncode, "seconds": round(outcome.seconds, 1), "stopped": outcome.stopped}
+    parsed |= {"verdict": crash_entries.verdict(run_name, outcome) if outcome.stopped else None}
+    parsed |= {"left_behind": outcome.left_behind}
+    if outcome.returncode != 0:
+        print(outcome.text[-3000:], flush=True)
     return parsed
 
 
 def check(entry: Entry, results: dict[str, dict]) -> list[str]:
     """Failures, as sentences; empty when the entry passed."""
-    failures = [f"{name} exited {r['returncode']}" for name, r in results.items() if r["returncode"] != 0]
+    failures = [r["verdict"] for r in results.values() if r.get("stopped")]
+    failures += [f"{name} exited {r['returncode']}" for name, r in results.items() if r["returncode"] not in (0, None)]
     if failures:
         return failures
     first_name, first = next(iter(results.items()))
@@ -216,36 +221,45 @@ def main() -> int:
     parser.add_argument("--gpus", type=int, help="run only entries for this many GPUs")
     parser.add_argument("--only", nargs="*", help="entry names")
     parser.add_argument("--out", type=Path, default=ROOT / "integration-results")
+    parser.add_argument(
+        "--bound-s",
+        type=float,
+        help=f"seconds any one run may take before it is killed (default {BOUND_S:g}; "
+        f"crash entries {crash_entries.Bounds().run_s:g})",
+    )
     args = parser.parse_args()
+    crash_entries.exit_on_sigterm()
     args.out.mkdir(parents=True, exist_ok=True)
     checkpoint_dir = tempfile.mkdtemp(prefix="offload-ckpt-")
+    bounds = crash_entries.Bounds(**({"run_s": args.bound_s} if args.bound_s else {}))
+    crash_drill = crash_entries.CrashDrill(args.out, crash_entries.torchrun(1), bounds, cwd=ROOT, parse=parse_log)
     summary = {}
-    for entry in entries(checkpoint_dir):
-        if (args.gpus and entry.gpus != args.gpus) or (args.only and entry.name not in args.only):
-            continue
-        shutil.rmtree(checkpoint_dir, ignore_errors=True)
-        if entry.crash:
-            results, failures, facts = crash_entries.run_entry(entry, run, args.out)
-            summary[entry.name] = {"gpus": entry.gpus, "failures": failures, "runs": results, "crash": facts}
+    try:
+        for entry in entries(checkpoint_dir):
+            if (args.gpus and entry.gpus != args.gpus) or (args.only and entry.name not in args.only):
+                continue
+            shutil.rmtree(checkpoint_dir, ignore_errors=True)
+            if entry.crash:
+                results, failures, facts = crash_drill.run_entry(entry.name, entry.crash, entry.env)
+                summary[entry.name] = {"gpus": entry.gpus, "failures": failures, "runs": results, "crash": facts}
+            else:
+                results = {}
+                for name, argv in entry.runs.items():
+                    capped = entry.capped and "offload" in name and "baseline" in results
+                    cap = cap_from(results["baseline"]) if capped else None
+                    if cap is not None:
+                        argv = [*argv, "--offload-gpu-memory-cap-gib", f"{cap:.3f}"]
+                    results[name] = run(entry, name, argv, args.out, args.bound_s or BOUND_S) | {"cap_GiB": cap}
+                summary[entry.name] = {"gpus": entry.gpus, "failures": check(entry, results), "runs": results}
+            # Written after every entry, so a run cut short by a time limit keeps what it finished.
             (args.out / "integration.json").write_text(json.dumps(summary, indent=1, default=str))
-            table = render_table(summary)
-            (args.out / "table.txt").write_text(table)
-            continue
-        results = {}
-        for name, argv in entry.runs.items():
-            cap = (
-                cap_from(results["baseline"]) if entry.capped and "offload" in name and "baseline" in results else None
-            )
-            if cap is not None:
-                argv = [*argv, "--offload-gpu-memory-cap-gib", f"{cap:.3f}"]
-            results[name] = run(entry, name, argv, args.out) | {"cap_GiB": cap}
-        failures = check(entry, results)
-        summary[entry.name] = {"gpus": entry.gpus, "failures": failures, "runs": results}
-        # Written after every entry, so a run cut short by a time limit keeps what it finished.
-        (args.out / "integration.json").write_text(json.dumps(summary, indent=1, default=str))
-        table = render_table(summary)
-        (args.out / "table.txt").write_text(table)
-    print("\n" + table, end="")
+            (args.out / "table.txt").write_text(render_table(summary))
+            verdict = "ok" if not summary[entry.name]["failures"] else "FAIL"
+            print(f"=== {entry.name}: {verdict}", flush=True)
+    finally:
+        crash_drill.close()
+        shutil.rmtree(checkpoint_dir, ignore_errors=True)
+    print("\n" + render_table(summary), end="")
     return 0 if all(not item["failures"] for item in summary.values()) else 1
 
 

@@ -75,10 +75,13 @@ LOADED = "  successfully loaded checkpoint from /tmp/x [ t 1/1, gtp_remat 1/1, p
 def test_a_good_resume_passes_and_each_failure_is_named() -> None:
     marker = f"{crash_entries.CRASH_MARKER} after the step of iteration 13, pending copy-out bytes 4096"
     facts = {"tracker_after_kill": 10, "cut_short_after_kill": []}
-    # Megatron's first loss after a load is its own accounting: it may differ without failing.
-    good = LOADED + log(range(11, 21), first_loss="9.9E+00")
+    good = LOADED + log(range(11, 21))
     assert crash_entries.check("after-step", 13, results(), logs(good, marker), facts) == []
-    assert facts["first_loss_after_load"] == ["9.9E+00", "1.0E+01"]
+    assert facts["losses_after_load"] == {11: ["1.0E+01", "1.0E+01"], 12: ["1.0E+01", "1.0E+01"]}
+    first_differs = crash_entries.check(
+        "after-step", 13, results(), logs(LOADED + log(range(11, 21), "1.0E+01", "9.9E+00"), marker), {**facts}
+    )
+    assert first_differs == ["iteration 11: loss 9.9E+00 resumed, 1.0E+01 uninterrupted"]
     nothing_pending = marker.replace("4096", "0")
     failures = crash_entries.check("after-step", 13, results(), logs(good, nothing_pending), dict(facts))
     assert failures == ["killed: no copy to host was in flight at the kill"]
@@ -89,8 +92,58 @@ def test_a_good_resume_passes_and_each_failure_is_named() -> None:
     assert [f.split(":")[0] for f in failures] == ["iteration 17", "iteration 17"]
     failures = crash_entries.check("checkpoint", 15, results(killed_rc=0), logs(log(range(1, 21)), ""), dict(facts))
     assert failures == [
-        "killed: no SIGKILL at checkpoint of iteration 15 (exit 0)",
-        "the save cut short is not left incomplete: []",
-        "resumed: no 'successfully loaded checkpoint ... at iteration 10' in the log",
+        "killed run never reached its kill point (checkpoint of iteration 15): it ended before its first iteration, "
+        "exit 0; last log lines: (empty log)",
+        "saves left incomplete by the kill: [], expected ['iter_0000015']",
+        "resumed: no 'successfully loaded checkpoint ... at iteration 10' in the log ([])",
         f"resumed: logged iterations {list(range(1, 21))}, expected {list(range(11, 21))}",
     ]
+
+
+def test_a_run_the_drill_stopped_fails_with_its_verdict_and_a_tracker_on_an_incomplete_save_is_caught(
+    tmp_path: Path,
+) -> None:
+    marker = f"{crash_entries.CRASH_MARKER} after the step of iteration 13, pending copy-out bytes 4096"
+    good = LOADED + log(range(11, 21))
+    stopped = results() | {"resumed": {"returncode": None, "stopped": "no exit within 150 s", "verdict": "VERDICT"}}
+    (tmp_path / "iter_0000010").mkdir()  # named by the tracker, but without .metadata: not a whole save
+    facts = {"tracker_after_kill": 10, "cut_short_after_kill": []}
+    failures = crash_entries.check("after-step", 13, stopped, logs(good, marker), facts, tmp_path)
+    assert failures == ["VERDICT", "the tracker names iteration 10, whose save has no .metadata (incomplete)"]
+    assert facts["tracker_names_complete_save"] is False
+
+
+def test_the_phase_a_verdict_names_comes_from_the_log() -> None:
+    assert crash_entries.phase("") == "before its first iteration"
+    assert crash_entries.phase(log(range(1, 13))) == "after iteration 12"
+    assert crash_entries.phase(log(range(1, 13)) + "\n" + crash_entries.CRASH_MARKER + " x") == (
+        "after iteration 12, after its SIGKILL line"
+    )
+    assert crash_entries.phase(LOADED) == "after loading the checkpoint of iteration 10, before its first iteration"
+
+
+def test_the_second_loss_after_a_load_is_the_mean_of_the_first_two_as_megatron_prints_it() -> None:
+    """Megatron 0.19's training_log keeps its loss sums after a run's first iteration (should_reset = not
+    is_first_iteration), so a resumed run's second line prints the mean of its first two losses: seen on
+    an H100, with every grad norm and every later loss equal."""
+    losses = {i: f"{9 + i / 100:.6E}" for i in range(1, 21)}
+    uninterrupted = "\n".join(line(i, losses[i], f"{i}.5") for i in range(1, 21))
+    marker = f"{crash_entries.CRASH_MARKER} after the step of iteration 13, pending copy-out bytes 4096"
+
+    def resumed(second: str) -> str:
+        return LOADED + "\n".join(line(i, second if i == 12 else losses[i], f"{i}.5") for i in range(11, 21))
+
+    facts = {"tracker_after_kill": 10, "cut_short_after_kill": []}
+    mean = resumed("9.115000E+00")  # (9.11 + 9.12) / 2
+    assert (
+        crash_entries.check(
+            "after-step", 13, results(), {"uninterrupted": uninterrupted, "killed": marker, "resumed": mean}, facts
+        )
+        == []
+    )
+    assert "mean of the first two" in facts["second_loss_after_load"]
+    off = resumed("9.115100E+00")
+    failures = crash_entries.check(
+        "after-step", 13, results(), {"uninterrupted": uninterrupted, "killed": marker, "resumed": off}, dict(facts)
+    )
+    assert failures == ["iteration 12: loss 9.115100E+00 resumed, 9.120000E+00 uninterrupted"]

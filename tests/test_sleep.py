@@ -7,11 +7,13 @@ pinned once and reused, and every refusal happens before anything moves. The GPU
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
-from megatron_offload import OptimizerStateOffloader, sleep
-from megatron_offload.sleep import Sleeper, SleepError
+from megatron_offload import OptimizerStateOffloader, host_memory, sleep
+from megatron_offload.sleep import Sleeper, SleepError, SleepReport, Transfer
 
 
 def adam_with_masters(seed: int = 0) -> tuple[torch.optim.AdamW, list[torch.Tensor]]:
@@ -45,6 +47,20 @@ class Setup:
     def snapshot(self) -> list[torch.Tensor]:
         state = [v.clone() for p in self.masters for v in self.optimizer.state[p].values()]
         return [m.detach().clone() for m in self.masters] + state + [self.grads.clone(), self.params.clone()]
+
+
+@pytest.fixture
+def slabs_made(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The size of every host slab made from now on (the engine's and the buffers' alike)."""
+    made: list[int] = []
+    real_init = host_memory.HostSlab.__init__
+
+    def counting_init(self, numel: int, dtype: torch.dtype, *args, **kwargs) -> None:
+        made.append(numel * torch.empty((), dtype=dtype).element_size())
+        real_init(self, numel, dtype, *args, **kwargs)
+
+    monkeypatch.setattr(host_memory.HostSlab, "__init__", counting_init)
+    return made
 
 
 def assert_equal(left: list[torch.Tensor], right: list[torch.Tensor]) -> None:
@@ -178,3 +194,101 @@ def test_a_buffer_freed_by_someone_else_is_refused_before_anything_moves() -> No
     with pytest.raises(SleepError, match="cannot sleep grads: a buffer was freed or resized by someone else"):
         sleeper.sleep(["optimizer", "grads"])
     assert not sleeper.is_asleep and not sleeper.offloaders[0].is_offloaded
+
+
+def test_prepare_pins_every_slab_at_setup_and_no_sleep_pins_again(slabs_made: list[int]) -> None:
+    """An RL framework prepares at setup, before Adam's first step has made the moments: the state's slab
+    is sized for them, so neither the first sleep after that step nor any later one pins anything."""
+    setup = Setup()
+    sleeper = setup.sleeper()
+    report = sleeper.prepare(["optimizer", "grads", "params"])
+    pinned = {t.part: t.nbytes for t in report.transfers}
+    assert report.direction == "prepare" and pinned["grads"] == 1280 and pinned["params"] == 256  # 256-aligned
+    masters = sum(m.numel() * 4 for m in setup.masters)
+    assert pinned["optimizer"] >= 3 * masters  # the masters and the two moments to come
+    assert len(slabs_made) == 3 and sleeper.host_bytes_needed(["optimizer", "grads", "params"]) == 0
+    assert not sleeper.offloaders[0].is_offloaded  # nothing moved
+    assert sleeper.prepare(["grads"]).transfers[0].nbytes == 0 and len(slabs_made) == 3  # kept, not re-pinned
+
+    straight = Setup()
+    for step in range(3):
+        take_step(setup.optimizer, step)
+        take_step(straight.optimizer, step)
+        asleep = sleeper.sleep(["optimizer", "grads", "params"])
+        assert asleep.pinned == [] and len(slabs_made) == 3
+        sleeper.wake()
+    assert_equal(setup.snapshot(), straight.snapshot())
+
+
+def test_a_sleep_that_was_not_prepared_pins_on_the_way_and_says_so(
+    slabs_made: list[int], caplog: pytest.LogCaptureFixture
+) -> None:
+    setup = Setup()
+    take_step(setup.optimizer, 0)
+    sleeper = setup.sleeper()
+    sleeper.prepare(["grads"])
+    with caplog.at_level(logging.WARNING, logger="megatron_offload.sleep"):
+        report = sleeper.sleep(["optimizer", "grads", "params"])
+    assert [t.part for t in report.pinned] == ["optimizer", "params"] and len(slabs_made) == 3
+    assert "pinned 0.00 GiB of host memory on the way" in caplog.text and "call prepare() at setup" in caplog.text
+    sleeper.wake()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megatron_offload.sleep"):
+        assert sleeper.sleep(["optimizer", "grads", "params"]).pinned == []
+    assert caplog.text == "" and len(slabs_made) == 3
+
+
+def test_state_that_lives_on_the_host_is_never_pinned_twice(slabs_made: list[int]) -> None:
+    """With an attached handle the state's slab is the handle's: prepare and sleep pin nothing for it."""
+    setup = Setup()
+    take_step(setup.optimizer, 0)
+    sleeper = setup.sleeper(state_lives_on_host=True)
+    report = sleeper.prepare(["optimizer", "grads"])
+    assert {t.part: t.nbytes for t in report.transfers} == {"optimizer": 0, "grads": 1280}
+    assert slabs_made == [1280] and sleeper.host_bytes_needed(["optimizer"]) == 0
+
+
+def test_prepare_refuses_before_pinning_anything(monkeypatch: pytest.MonkeyPatch, slabs_made: list[int]) -> None:
+    sleeper = Setup().sleeper()
+    with pytest.raises(SleepError, match="cannot prepare \\['kv_cache'\\]: choose among optimizer, grads, params"):
+        sleeper.prepare(["kv_cache"])
+    monkeypatch.setattr(sleep, "available_host_bytes", lambda: 1000)
+    with pytest.raises(SleepError, match="prepare needs 0.00 GiB of new pinned host memory but 0.00 GiB is available"):
+        sleeper.prepare(["optimizer", "grads", "params"])
+    assert slabs_made == [] and sleeper.host_bytes_needed(["grads"]) == 1280
+
+
+def test_reports_time_every_part_and_wake_brings_the_smallest_buffer_first() -> None:
+    setup = Setup()
+    take_step(setup.optimizer, 0)
+    sleeper = setup.sleeper()
+    sleeper.prepare(["optimizer", "grads", "params"])
+    asleep = sleeper.sleep(["optimizer", "grads", "params"])
+    assert [t.part for t in asleep.transfers] == ["grads", "params", "optimizer"]  # buffers, then the engine's
+    awake = sleeper.wake()
+    assert [t.part for t in awake.transfers] == ["params", "grads", "optimizer"]  # params are the smaller buffer
+    for report in (asleep, awake):
+        assert all(t.seconds > 0 and t.gb_per_s > 0 for t in report.transfers)
+        assert report.seconds >= max(t.seconds for t in report.transfers)
+    assert [t.nbytes for t in awake.transfers] == [128, 1200, asleep.transfers[2].nbytes]
+
+
+def test_a_reports_line_says_what_moved_and_what_the_allocator_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    report = SleepReport(
+        "sleep",
+        [Transfer("optimizer", 3_000_000_000, 0.06), Transfer("grads", 1_000_000_000, 0.02)],
+        seconds=0.1,
+        device_free_before=10_000_000_000,
+        device_free_after=13_800_000_000,
+        allocated_after=5_000_000_000,
+        reserved_after=5_200_000_000,
+    )
+    assert report.given_back == 3_800_000_000 and report.held_by_allocator == 200_000_000
+    assert report.describe() == (
+        "4.00 GB in 0.100 s (40.0 GB/s wall; optimizer 3.00 GB at 50.0 GB/s, grads 1.00 GB at 50.0 GB/s); the "
+        "device got 3.80 GB back (95% of what moved), 0.20 GB stays with PyTorch's allocator (free, but in pages "
+        "shared with live tensors)"
+    )
+    prepared = SleepReport("prepare", [Transfer("grads", 2_000_000_000, 1.0)], seconds=1.0)
+    assert prepared.describe() == "pinned host memory for sleep: grads 2.00 GB at 2.0 GB/s (1.00 s)"

@@ -20,7 +20,7 @@ from megatron.core.distributed.param_and_grad_buffer import (  # noqa: E402
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer  # noqa: E402
 from megatron.core.optimizer.optimizer import ChainedOptimizer  # noqa: E402
 
-from megatron_offload import SleepError, sleep_wake_for  # noqa: E402
+from megatron_offload import SleepError, attach_offloader, sleep_wake_for  # noqa: E402
 from megatron_offload.megatron_sleep import route_rl_offload_through_sleep  # noqa: E402
 
 
@@ -191,3 +191,53 @@ def test_close_puts_back_a_step_wrapper_that_was_there_before() -> None:
     optimizer.step()
     sleeper.close()
     assert optimizer.step is wrapped_step and calls == ["step"]
+
+
+def test_prepare_pins_each_part_once_and_the_first_sleep_pins_nothing() -> None:
+    optimizer, chunks = build()
+    sleeper = sleep_wake_for(optimizer)
+    report = sleeper.prepare(optimizer=True, grads=True, params=True)  # at setup: no Adam state yet
+    pinned = {t.part: t.nbytes for t in report.transfers}
+    grads = sum(c.buffers[0].grad_data.numel() * 4 for c in chunks)
+    assert pinned["optimizer"] > 0 and pinned["grads"] >= grads and pinned["params"] >= grads // 2
+    assert sleeper.sleeper.host_bytes_needed(["optimizer", "grads", "params"]) == 0
+    adam_step(optimizer, 0)
+    before = snapshot(optimizer, chunks)
+    assert sleeper.sleep(optimizer=True, grads=True, params=True).pinned == []
+    sleeper.wake()
+    for a, b in zip(snapshot(optimizer, chunks), before, strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(SleepError, match="params=True needs DDP param buffers"):
+        sleep_wake_for(ChainedOptimizer([dist_opt(ddp_chunk(1, with_param_buffer=False))])).prepare(params=True)
+
+
+def test_with_offload_optimizer_states_the_state_is_pinned_once_for_both() -> None:
+    """The attached handle's offloaders and slab serve the sleep: nothing of the state is pinned again."""
+    optimizer, chunks = build()
+    adam_step(optimizer, 0)
+    handle = attach_offloader(optimizer)
+    sleeper = sleep_wake_for(optimizer)
+    assert sleeper.sleeper.offloaders == handle.offloaders  # the same objects, so the same host slab
+    report = sleeper.prepare(optimizer=True, grads=True)
+    assert {t.part: t.nbytes for t in report.transfers}["optimizer"] == 0
+    assert sleeper.sleep(optimizer=True, grads=True).pinned == []
+    assert all(o.is_offloaded for o in handle.offloaders)
+    back = sleeper.wake()
+    assert {t.part: t.nbytes for t in back.transfers}["optimizer"] == 0  # the handle's next step brings it back
+    sleeper.close()
+    handle.detach()
+
+
+def test_the_offloading_side_never_imports_the_sleep_side() -> None:
+    """megatron_sleep imports megatron_adapter; the reverse would make an import circle."""
+    import ast
+    import inspect
+
+    from megatron_offload import megatron_adapter
+
+    tree = ast.parse(inspect.getsource(megatron_adapter))
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert "megatron_offload.megatron_adapter" not in imported  # sanity: the walk sees module names
+    assert "megatron_offload.engine" in imported
+    assert not {"megatron_offload.megatron_sleep", "megatron_offload.sleep"} & imported

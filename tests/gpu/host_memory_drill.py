@@ -1,90 +1,456 @@
-"""Host-memory drills on a GPU machine (the CPU suite runs the same in tests/test_host_memory.py):
+"""Host-memory drills on a GPU machine (the CPU suite runs their library side in tests/test_host_memory.py):
 
-    python tests/gpu/host_memory_drill.py --out results/host-memory     # exit 0 when every drill passed
+    python tests/gpu/host_memory_drill.py --out results/host-memory     # exit 0 when every case passed
 
-1. pinning works here (a HostSlab of 256 MiB is pinned);
-2. pinning refused (cudaHostRegister answers 2): a warning with the pageable and pinned rates measured
-   on this GPU, or with ``on_pin_failure="raise"`` a HostMemoryError;
-3. the same refusal in Megatron-LM's loop (scripts/pretrain_gpt.py, configs/tiny.yaml, 5 iterations):
-   the run completes, its log carries the warning;
-4. a node too small for every rank, in Megatron-LM's loop: the real MemAvailable, as if 4096 ranks
-   shared this node: the run stops before iteration 1 with the HostMemoryError.
-Each Megatron run is this file again under torchrun with ``--megatron DRILL``, which makes the change
-(on module attributes, not in library code) and then runs pretrain_gpt.main().
+Each case is recorded in ``host-memory.json``: whether it passed, its failures, the message as the user
+sees it (the warning or the error line of the log), what was checked to be intact, its seconds and its log.
+Every child runs under crash_entries.run_bounded: a case that hangs ends with a verdict, never a wait.
+
+Through the library API, in one child (``--api``; tests/gpu/harness.py's bf16 GPT on one GPU, 67M params):
+1. ``slab-pinned``: a HostSlab of 256 MiB is pinned here; ``slab-pin-refused-raises``: with pinning refused,
+   ``on_pin_failure="raise"`` is a HostMemoryError naming the bytes.
+2. ``pin-refused-at-attach``: cudaHostRegister answers 2 (out of memory) to the offloader's slab at attach.
+   The user is told at attach (a warning with the measured cost of pageable copies, or a HostMemoryError),
+   and nothing is lost: training on goes bitwise as without offloading (or, after an error, nothing is
+   left half set up).
+3. ``allocation-refused-at-attach``: the host refuses the slab's allocation itself (the process's address
+   space capped at what it holds, RLIMIT_AS, around ``attach_offloader`` only): a HostMemoryError, and
+   nothing half set up: no wrapper, hook or attribute left on the optimizer and model, the fp32 masters
+   untouched, a second attach works, and training then matches training without offloading bitwise.
+In Megatron-LM's loop (scripts/pretrain_gpt.py, configs/tiny.yaml; each case this file again under torchrun
+with ``--megatron CASE``, which makes the change on module attributes, never in library code):
+4. ``pin-refused-megatron``: the same refusal; the run completes, its log carries the warning.
+5. ``node-too-small``: the real MemAvailable, as if 4096 ranks shared this node: refused before the model
+   is built (Megatron's parameter-count line absent) and before iteration 1, naming the bytes per rank,
+   the ranks, what is available and ``--no-offload-host-memory-check``;
+   ``node-too-small-check-off``: the same node with that flag trains (3 iterations).
+6. ``host-short-during-save``: the library pins its host memory once, at attach (the OS cannot take pinned
+   pages back), so what runs short during training is everything else; here the checkpoint save of
+   iteration 10 stages its tensors with the address space capped at what the process holds (a real
+   refusal of the C allocator). The run ends with that error; the checkpoint of iteration 5 is complete,
+   the tracker names it, the save cut short is incomplete and is not what a new run loads, and that run,
+   resumed from iteration 5, repeats iterations 6-10 with the same grad norms and losses.
 """
 
+from __future__ import annotations
+
 import argparse
+import contextlib
+import gc
 import json
 import os
-import subprocess
+import re
+import resource
+import shutil
 import sys
+import tempfile
+import time
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
-TINY = ["--config", "configs/tiny.yaml", "--train-iters", "5", "--offload-optimizer-states"]
+
+import crash_entries  # noqa: E402  (scripts/: the bounded runner and the checkpoint readers)
+from memory_report import last_error_line  # noqa: E402
+
+TINY = ["--config", "configs/tiny.yaml", "--offload-optimizer-states"]
+RANKS = 4096  # node-too-small: the real MemAvailable, shared as if by this many ranks
+SAVE_INTERVAL, SHORT_AT = 5, 10  # host-short-during-save: saves at 5 and 10, the one at 10 refused
+RUN_BOUND_S, API_BOUND_S = 150.0, 300.0
+STEPS = 3  # API cases: iterations trained after attach, compared bitwise with no offloading
+DRILL_LINE = "megatron-offload host-memory drill:"
+MODEL_BUILT = re.compile(r"number of parameters on \(")  # Megatron's line once the model is built
+HOST_REFUSED = "can't allocate memory"  # torch's CPU allocator, when the OS refuses
 
 
 def refuse_pinning(data_ptr: int, nbytes: int) -> int:
     return 2  # cudaErrorMemoryAllocation
 
 
-def slab_drills() -> dict[str, str]:
-    """Failures by drill name ('' when it passed)."""
+@contextlib.contextmanager
+def address_space_capped(margin: int) -> Iterator[None]:
+    """The host refuses any allocation beyond ``margin`` bytes more than this process maps now: the soft
+    RLIMIT_AS, restored on the way out (before an error propagates further)."""
+    vm_kib = next(
+        int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmSize")
+    )
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (vm_kib * 1024 + margin, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+# ------------------------------------------------------------------------------------ API cases
+def case(function: Callable[[], tuple[list[str], str, dict]]) -> dict[str, Any]:
+    """Run one case: its failures, message and facts, timed; an unexpected exception is a failure."""
+    start = time.monotonic()
+    try:
+        failures, message, intact = function()
+    except Exception as error:  # the drill goes on with the next case
+        failures, message, intact = [f"the drill itself raised {type(error).__name__}: {error}"], "", {}
+    return {
+        "passed": not failures,
+        "failures": failures,
+        "message": message,
+        "intact": intact,
+        "seconds": round(time.monotonic() - start, 1),
+    }
+
+
+def snapshot(training: Any) -> dict[str, Any]:
+    """Model params, fp32 masters and Adam moments, cloned (the state must be on the GPU: detach first)."""
+    from megatron_offload.megatron_adapter import distributed_optimizers
+
+    tensors = {f"model.{name}": p.detach().clone() for name, p in training.model[0].named_parameters()}
+    for o, dist_opt in enumerate(distributed_optimizers(training.optimizer)):
+        for g, group in enumerate(dist_opt.shard_fp32_from_float16_groups):
+            tensors |= {f"opt{o}.master.{g}.{i}": m.detach().clone() for i, m in enumerate(group)}
+        inner = dist_opt.optimizer
+        for g, group in enumerate(inner.param_groups):
+            for i, param in enumerate(group["params"]):
+                for key, value in inner.state.get(param, {}).items():
+                    if hasattr(value, "shape") and value.shape == param.shape:
+                        tensors[f"opt{o}.{g}.{i}.{key}"] = value.detach().clone()
+    return tensors
+
+
+def differing(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
+    import torch
+
+    if expected.keys() != actual.keys():
+        return sorted(expected.keys() ^ actual.keys())
+    return [key for key in expected if not torch.equal(expected[key], actual[key])]
+
+
+def train(training: Any, steps: int = STEPS) -> None:
+    for iteration in range(steps):
+        training.train_step(iteration)
+
+
+def surface(training: Any) -> dict[str, Any]:
+    """What attaching changes, read without the library: instance attributes (callables by identity) of
+    the optimizers and model configs, and the hooks on the model's modules and parameters."""
+    from megatron_offload.megatron_adapter import distributed_optimizers
+
+    dist_opts = distributed_optimizers(training.optimizer)
+    objects = {"optimizer": training.optimizer, "model config": training.config}
+    objects |= {f"distributed optimizer {i}": d for i, d in enumerate(dist_opts)}
+    objects |= {f"inner optimizer {i}": d.optimizer for i, d in enumerate(dist_opts)}
+    seen = {name: {k: id(v) if callable(v) else "value" for k, v in vars(obj).items()} for name, obj in objects.items()}
+    modules = [m for chunk in training.model for m in chunk.modules()]
+    kinds = ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks")
+    seen["module hooks"] = {kind: sum(len(getattr(m, kind, {}) or {}) for m in modules) for kind in kinds}
+    params = [p for chunk in training.model for p in chunk.parameters()]
+    seen["parameter hooks"] = sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in params)
+    return seen
+
+
+def left_behind(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """What a failed attach left changed, one phrase each."""
+    changes = []
+    for name in before:
+        if before[name] == after[name]:
+            continue
+        if not isinstance(before[name], dict) or name == "module hooks":  # counts
+            changes.append(f"{name}: {before[name]} -> {after[name]}")
+            continue
+        for key in sorted(before[name].keys() | after[name].keys()):
+            if before[name].get(key) != after[name].get(key):
+                changes.append(f"{name}.{key} {'added' if key not in before[name] else 'replaced'}")
+    return changes
+
+
+def slab_cases() -> dict[str, dict]:
     import torch
 
     from megatron_offload import HostMemoryError, host_memory
 
-    results = {}
-    slab = host_memory.HostSlab(256 * 2**20, torch.uint8, pin=True)
-    results["pinned"] = "" if slab.pinned else "a 256 MiB slab was not pinned on this machine"
-    slab.release()
-    host_memory._pin = refuse_pinning
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        host_memory.HostSlab(1024 * 2**20, torch.uint8, pin=True)
-    message = " ".join(str(w.message) for w in caught)
-    print(f"pin refused: {message}", flush=True)
-    results["pin-refused-warns"] = "" if "Measured here" in message else f"no measured cost in: {message!r}"
-    try:
-        host_memory.HostSlab(1024 * 2**20, torch.uint8, pin=True, on_pin_failure="raise")
-        results["pin-refused-raises"] = "no HostMemoryError"
-    except HostMemoryError as error:
-        print(f"pin refused, raise: {error}", flush=True)
-        results["pin-refused-raises"] = "" if "could not pin 1.00 GiB" in str(error) else f"message: {error}"
+    def pinned() -> tuple[list[str], str, dict]:
+        slab = host_memory.HostSlab(256 * 2**20, torch.uint8, pin=True)
+        ok = slab.pinned
+        slab.release()
+        return ([] if ok else ["a 256 MiB slab was not pinned on this machine"]), "", {"pinned": ok}
+
+    def refused_raises() -> tuple[list[str], str, dict]:
+        original, host_memory._pin = host_memory._pin, refuse_pinning
+        try:
+            host_memory.HostSlab(1024 * 2**20, torch.uint8, pin=True, on_pin_failure="raise")
+        except HostMemoryError as error:
+            failures = [] if "could not pin 1.00 GiB" in str(error) else ["the error does not name 1.00 GiB"]
+            return failures, str(error), {}
+        finally:
+            host_memory._pin = original
+        return ["no HostMemoryError"], "", {}
+
+    return {"slab-pinned": case(pinned), "slab-pin-refused-raises": case(refused_raises)}
+
+
+def attach_cases(shape: Any, reference: dict[str, Any]) -> dict[str, dict]:
+    import torch
+
+    from megatron_offload import HostMemoryError, attach_offloader, host_memory, megatron_adapter
+    from tests.gpu import harness
+
+    def after_failed_attach(training: Any, before: dict, masters: dict, intact: dict) -> list[str]:
+        """Nothing half set up: the surface unchanged, masters untouched, attach again, train bitwise."""
+        try:
+            return check_after_failed_attach(training, before, masters, intact)
+        except Exception as error:  # a check that breaks is a failure, with the message kept
+            return [f"checking what the failed attach left raised {type(error).__name__}: {error}"]
+
+    def check_after_failed_attach(training: Any, before: dict, masters: dict, intact: dict) -> list[str]:
+        failures = []
+        intact["left_behind"] = left_behind(before, surface(training))
+        if intact["left_behind"]:
+            failures.append(f"the failed attach left the optimizer half set up: {intact['left_behind'][:6]}")
+        changed = differing(masters, snapshot(training))
+        intact["state_untouched"] = not changed
+        if changed:
+            failures.append(f"the failed attach changed the state: {changed[:4]}")
+        try:
+            handle = attach_offloader(training.optimizer)
+            intact["attach_again"] = "ok"
+        except Exception as error:  # half set up: say so, and train on with what is there
+            handle, intact["attach_again"] = None, f"{type(error).__name__}: {error}"
+            failures.append(f"attaching again after the failure: {intact['attach_again']}")
+        train(training)
+        # A handle the failed attach left behind holds the state offloaded: bring it back to compare.
+        leftover = getattr(training.optimizer, getattr(megatron_adapter, "_HANDLE_ATTR", ""), None)
+        for attached in {id(h): h for h in (handle, leftover) if h is not None}.values():
+            attached.detach()
+        different = differing(reference, snapshot(training))
+        intact["bitwise_equal_to_no_offload"] = not different
+        if different:
+            failures.append(f"training after the failure differs from no offloading: {different[:4]}")
+        return failures
+
+    def pin_refused() -> tuple[list[str], str, dict]:
+        training = harness.build_gpt_training(shape)
+        before, masters, intact = surface(training), snapshot(training), {}
+        original, host_memory._pin = host_memory._pin, refuse_pinning
+        error = handle = None
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    handle = attach_offloader(training.optimizer)
+                except HostMemoryError as raised:
+                    error = raised
+        finally:
+            host_memory._pin = original
+        warned = [str(w.message) for w in caught if "could not pin" in str(w.message)]
+        if error is not None:
+            intact["told_by"] = "HostMemoryError at attach"
+            return after_failed_attach(training, before, masters, intact), str(error), intact
+        failures = [] if warned else ["attach said nothing of the pinning it was refused"]
+        message = " ".join(warned)
+        intact["told_by"] = "a warning at attach"
+        if warned and "Measured here" not in message:
+            failures.append("the warning does not say what pageable copies cost here")
+        intact["pinned"] = handle.read_stats().pinned
+        train(training)
+        handle.detach()
+        different = differing(reference, snapshot(training))
+        intact["bitwise_equal_to_no_offload"] = not different
+        if different:
+            failures.append(f"training on pageable memory differs from no offloading: {different[:4]}")
+        return failures, message, intact
+
+    def allocation_refused() -> tuple[list[str], str, dict]:
+        training = harness.build_gpt_training(shape)
+        before, masters, intact = surface(training), snapshot(training), {}
+        error: Exception | None = None
+        handle = None
+        with address_space_capped(margin=64 * 2**20):
+            try:
+                handle = attach_offloader(training.optimizer)
+            except Exception as raised:  # what the user would see, whatever it is
+                error = raised
+        if handle is not None:
+            handle.detach()
+            return ["attach succeeded although the host refused 64 MiB more"], "", intact
+        message = f"{type(error).__name__}: {error}"
+        failures = []
+        if not isinstance(error, HostMemoryError) or "could not allocate" not in str(error):
+            failures.append("not a HostMemoryError saying the host could not allocate the state")
+        return failures + after_failed_attach(training, before, masters, intact), message, intact
+
+    results = {"pin-refused-at-attach": case(pin_refused)}
+    gc.collect()
+    torch.cuda.empty_cache()
+    results["allocation-refused-at-attach"] = case(allocation_refused)
     return results
 
 
-def megatron_drill(name: str, out: Path) -> str:
-    """Run one drill through Megatron-LM's loop; '' when it behaved as expected."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
-    command += [__file__, "--megatron", name, *TINY]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    text = result.stdout + result.stderr
-    (out / f"host-memory-{name}.log").write_text(text)
-    if name == "pin-refused":
-        if result.returncode != 0:
-            return f"exited {result.returncode}"
-        if "using pageable memory instead" not in text or " iteration        5/" not in text:
-            return "no pin warning, or the run did not reach iteration 5"
-        return ""
-    stopped = result.returncode != 0 and "HostMemoryError" in text and "x 4096 rank(s) on this node" in text
-    if not stopped or " iteration        1/" in text:
-        return f"expected a HostMemoryError before iteration 1 (exit {result.returncode})"
-    return ""
+def api_main(out_json: Path) -> int:
+    """The API cases in this process (a child of the drill, under its bound)."""
+    import megatron.core
+    import torch
+
+    from tests.gpu import harness
+
+    harness.init_distributed()
+    shape = harness.GPTShape(
+        num_layers=4, hidden_size=1024, num_attention_heads=8, ffn_hidden_size=4096, vocab_size=16384
+    )
+    training = harness.build_gpt_training(shape)
+    train(training)
+    reference = snapshot(training)
+    del training
+    gc.collect()
+    results = {
+        "device": torch.cuda.get_device_name(),
+        "versions": {"torch": torch.__version__, "megatron-core": megatron.core.__version__},
+        "cases": slab_cases() | attach_cases(shape, reference),
+    }
+    out_json.write_text(json.dumps(results, indent=1))
+    for name, item in results["cases"].items():
+        print(f"{name}: {'ok' if item['passed'] else 'FAIL: ' + '; '.join(item['failures'])}", flush=True)
+    harness.destroy_distributed()
+    return 0
+
+
+# ----------------------------------------------------------------------- Megatron-LM's loop cases
+def refuse_host_memory_at_save(nth: int) -> None:
+    """The ``nth`` checkpoint save stages its tensors (unpinned) with the address space capped at what
+    this process holds: the C allocator's real refusal, inside Megatron's own save."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    preload = FileSystemWriterAsync.preload_tensors
+    saves = [0]
+
+    def preload_then_maybe_refuse(write_buckets: Any, non_blocking: bool = True) -> Any:
+        saves[0] += 1
+        if saves[0] != nth:
+            return preload(write_buckets, non_blocking)
+        print(f"{DRILL_LINE} save {nth}: host memory capped at what the process holds (RLIMIT_AS)", flush=True)
+        with address_space_capped(margin=8 * 2**20):
+            return preload(write_buckets, False)
+
+    FileSystemWriterAsync.preload_tensors = staticmethod(preload_then_maybe_refuse)
 
 
 def run_in_megatron(name: str) -> None:
     from megatron_offload import host_memory
 
-    if name == "pin-refused":
+    if name == "pin-refused-megatron":
         host_memory._pin = refuse_pinning
-    elif name == "node-too-small":
-        host_memory.ranks_on_this_node = lambda: 4096  # the real MemAvailable, shared as if by 4096 ranks
+    elif name.startswith("node-too-small"):
+        host_memory.ranks_on_this_node = lambda: RANKS  # the real MemAvailable, shared as if by RANKS ranks
+    elif name == "host-short-during-save":
+        refuse_host_memory_at_save(SHORT_AT // SAVE_INTERVAL)
     import pretrain_gpt  # expands --config in sys.argv
 
     pretrain_gpt.main()
+
+
+def megatron_run(name: str, args: list[str], out: Path) -> tuple[crash_entries.Outcome, list[str]]:
+    """One bounded torchrun of this file with ``--megatron NAME``: how it ended, and a failure if stopped."""
+    command = [*crash_entries.torchrun(1), "tests/gpu/host_memory_drill.py", "--megatron", name, *TINY, *args]
+    outcome = crash_entries.run_bounded(command, out / f"host-memory-{name}.log", bound_s=RUN_BOUND_S, cwd=ROOT)
+    print(f"[{name}] {'stopped: ' + outcome.stopped if outcome.stopped else f'exit {outcome.returncode}'}", flush=True)
+    return outcome, [crash_entries.verdict(name, outcome)] if outcome.stopped else []
+
+
+def line_with(text: str, *needles: str) -> str:
+    """The first log line holding every needle (what the user reads), else the run's telling last line."""
+    found = next((line.strip() for line in text.splitlines() if all(n in line for n in needles)), None)
+    return re.sub(r"^\[rank\d+\]:\s*", "", found) if found else last_error_line(text)
+
+
+def worker_part(text: str) -> str:
+    """The log up to torchrun's own report of a failed worker (whose traceback is torchrun's, not the user's)."""
+    return re.split(r".*elastic/multiprocessing/api\.py.*failed \(exitcode", text, maxsplit=1)[0]
+
+
+def pin_refused_megatron(out: Path) -> tuple[list[str], str, dict]:
+    outcome, failures = megatron_run("pin-refused-megatron", ["--train-iters", "5"], out)
+    text = outcome.text
+    intact = {"last_iteration": crash_entries.last_iteration(text)}
+    if not failures and outcome.returncode != 0:
+        failures.append(f"exited {outcome.returncode}: {last_error_line(text)}")
+    if "using pageable memory instead" not in text:
+        failures.append("no warning that pinning was refused")
+    if intact["last_iteration"] != 5:
+        failures.append(f"the run did not reach iteration 5 ({intact['last_iteration']})")
+    return failures, line_with(text, "could not pin"), intact
+
+
+def node_too_small(out: Path) -> tuple[list[str], str, dict]:
+    outcome, failures = megatron_run("node-too-small", ["--train-iters", "5"], out)
+    text = outcome.text
+    message = line_with(text, "rank(s) on this node")
+    intact = {
+        "model_built_before_refusal": bool(MODEL_BUILT.search(text)),
+        "iterations_run": crash_entries.last_iteration(text),
+        "traceback_shown": "Traceback (most recent call last)" in worker_part(text),
+    }
+    if not failures and outcome.returncode == 0:
+        failures.append("the run was not refused")
+    for needle in (f"x {RANKS} rank(s) on this node", "GiB of host memory per rank", "GiB is available"):
+        if needle not in message:
+            failures.append(f"the message lacks {needle!r}")
+    if "--no-offload-host-memory-check" not in message:
+        failures.append("the message does not name --no-offload-host-memory-check")
+    if intact["iterations_run"] is not None:
+        failures.append(f"refused only after iteration {intact['iterations_run']}")
+    if intact["model_built_before_refusal"]:
+        failures.append("refused only after the model was built (Megatron's parameter count is in the log)")
+    return failures, message, intact
+
+
+def node_too_small_check_off(out: Path) -> tuple[list[str], str, dict]:
+    # 3 iterations: tiny.yaml's 2 warm-up iterations must be fewer than the run's (Megatron asserts so).
+    args = ["--train-iters", "3", "--no-offload-host-memory-check"]
+    outcome, failures = megatron_run("node-too-small-check-off", args, out)
+    intact = {"last_iteration": crash_entries.last_iteration(outcome.text)}
+    if not failures and (outcome.returncode != 0 or intact["last_iteration"] != 3):
+        failures.append(f"with the check off the run did not train 3 iterations: {last_error_line(outcome.text)}")
+    return failures, "", intact
+
+
+def host_short_during_save(out: Path, scratch: Path) -> tuple[list[str], str, dict]:
+    save = scratch / "host-short"
+    ckpt = ["--ckpt-format", "torch_dist", "--train-iters", str(SHORT_AT)]
+    args = [*ckpt, "--save", str(save), "--save-interval", str(SAVE_INTERVAL)]
+    outcome, failures = megatron_run("host-short-during-save", args, out)
+    text = outcome.text
+    last = SHORT_AT - SAVE_INTERVAL
+    intact: dict[str, Any] = {
+        "tracker": crash_entries.last_complete_iteration(save),
+        "tracked_save_complete": crash_entries.is_complete(save / f"iter_{last:07d}"),
+        "cut_short": crash_entries.cut_short(save),
+    }
+    if not failures and outcome.returncode == 0:
+        failures.append("the run ended well: the host's refusal was not provoked")
+    if HOST_REFUSED not in text:
+        failures.append(f"no {HOST_REFUSED!r} in the log")
+    if crash_entries.last_iteration(text) != SHORT_AT:
+        failures.append(f"the run did not reach iteration {SHORT_AT} before its save")
+    if intact["tracker"] != last or not intact["tracked_save_complete"]:
+        failures.append(f"the tracker names {intact['tracker']}, not the complete save of iteration {last}")
+    if (save / f"iter_{SHORT_AT:07d}").exists() and f"iter_{SHORT_AT:07d}" not in intact["cut_short"]:
+        failures.append(f"the refused save of iteration {SHORT_AT} looks complete")
+    resumed, resume_failures = megatron_run("host-short-resumed", [*ckpt, "--load", str(save)], out)
+    failures += resume_failures
+    intact["resumed_loaded"] = [
+        int(i) for i in re.findall(r"successfully loaded checkpoint .* at iteration (\d+)", resumed.text)
+    ]
+    if intact["resumed_loaded"] != [last]:
+        failures.append(f"the resumed run loaded {intact['resumed_loaded']}, not iteration {last}")
+    before, after = (crash_entries.losses_and_grad_norms(t) for t in (text, resumed.text))
+    wanted = list(range(last + 1, SHORT_AT + 1))
+    same_norms = sorted(after) == wanted and all(before.get(i, (0, 0))[1] == after[i][1] for i in wanted)
+    same_losses = all(before.get(i, (0, 0))[0] == after.get(i, (1, 1))[0] for i in wanted[1:])
+    intact["resumed_grad_norms_equal"], intact["resumed_losses_equal"] = same_norms, same_losses
+    if not same_norms or not same_losses:
+        failures.append(f"resumed iterations {wanted} differ from the run that was refused: {after} vs {before}")
+    return failures, line_with(text, HOST_REFUSED), intact
 
 
 def main() -> int:
@@ -93,17 +459,48 @@ def main() -> int:
         sys.argv[1:] = sys.argv[3:]
         run_in_megatron(name)
         return 0
+    if len(sys.argv) > 2 and sys.argv[1] == "--api":
+        return api_main(Path(sys.argv[2]))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "host-memory-results")
     args = parser.parse_args()
+    crash_entries.exit_on_sigterm()
     args.out.mkdir(parents=True, exist_ok=True)
-    results = slab_drills()
-    for name in ("pin-refused", "node-too-small"):
-        results[f"megatron-{name}"] = megatron_drill(name, args.out)
-    (args.out / "host-memory.json").write_text(json.dumps(results, indent=1))
-    for name, failure in results.items():
-        print(f"{name:28} {'ok' if not failure else 'FAIL: ' + failure}")
-    return 0 if not any(results.values()) else 1
+    api_json = args.out / "host-memory-api.json"
+    api_json.unlink(missing_ok=True)
+    command = [sys.executable, "tests/gpu/host_memory_drill.py", "--api", str(api_json.resolve())]
+    api = crash_entries.run_bounded(command, args.out / "host-memory-api.log", bound_s=API_BOUND_S, cwd=ROOT)
+    if api_json.exists():
+        report = json.loads(api_json.read_text())
+        api_json.unlink()
+    else:
+        why = (
+            crash_entries.verdict("api", api)
+            if api.stopped
+            else f"exited {api.returncode}: {last_error_line(api.text)}"
+        )
+        report = {"cases": {"api": {"passed": False, "failures": [f"the API cases did not finish: {why}"]}}}
+    for item in report["cases"].values():
+        item["log"] = "host-memory-api.log"
+    megatron_cases: dict[str, Callable[[], tuple[list[str], str, dict]]] = {
+        "pin-refused-megatron": lambda: pin_refused_megatron(args.out),
+        "node-too-small": lambda: node_too_small(args.out),
+        "node-too-small-check-off": lambda: node_too_small_check_off(args.out),
+        "host-short-during-save": lambda: host_short_during_save(args.out, scratch),
+    }
+    logs = {"host-short-during-save": "host-memory-host-short-during-save.log, host-memory-host-short-resumed.log"}
+    scratch = Path(tempfile.mkdtemp(prefix="offload-host-memory-"))
+    try:
+        for name, function in megatron_cases.items():
+            report["cases"][name] = case(function) | {"log": logs.get(name, f"host-memory-{name}.log")}
+            # Written after every case, so a drill cut short by a time limit keeps what it finished.
+            report["passed"] = all(item["passed"] for item in report["cases"].values())
+            (args.out / "host-memory.json").write_text(json.dumps(report, indent=1))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    for name, item in report["cases"].items():
+        print(f"{name:30} {'ok' if item['passed'] else 'FAIL: ' + '; '.join(item['failures'])}")
+    return 0 if report["passed"] else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,325 @@
+"""The crash drill's bounds, on the CPU with real subprocesses (no GPU, no Megatron): a run that hangs,
+a launcher whose child ignores SIGTERM in a session of its own, an orphan that outlives a killed run
+(what hung issue 23's first GPU try), and whole crash entries run with a stand-in for
+tests/gpu/crash_driver.py that prints Megatron's lines and writes torch_dist-like saves. Each ends with
+a verdict within its bound; nothing of the bound logic is mocked.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # scripts, not a package
+
+import crash_entries  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="the drill reads processes from /proc")
+
+SLEEPER = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(1e6)"
+
+LAUNCHER = """
+import os, subprocess, sys
+# As torchrun: the worker in a session of its own, and a wait with no bound.
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], start_new_session=True)
+print("launcher", os.getpid(), "child", child.pid, flush=True)
+child.wait()
+"""
+
+STUBBORN_CHILD = """
+import os, signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("session", os.getsid(0), flush=True)
+print(" iteration       12/      20 | consumed samples:           96 |", flush=True)
+time.sleep(1e6)
+"""
+
+# What megatron-core 0.19's torch_dist save does once per process (a spawned Manager for its write
+# results), then the crash drill's SIGKILL: the Manager and its resource tracker outlive the worker.
+KILLED_WORKER = """
+import multiprocessing, os, signal
+if __name__ == "__main__":
+    queue = multiprocessing.get_context("spawn").Manager().Queue()
+    print("megatron-offload crash drill: SIGKILL after the step of iteration 13", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting for a parent that does not reap counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def pids(text: str) -> list[int]:
+    return [int(pid) for pid in re.findall(r"(?:pid|launcher|child) (\d+)", text)]
+
+
+def test_a_child_that_sleeps_forever_ends_at_its_bound_with_a_verdict(tmp_path: Path) -> None:
+    start = time.monotonic()
+    outcome = crash_entries.run_bounded([sys.executable, "-c", SLEEPER], tmp_path / "run.log", bound_s=2)
+    assert time.monotonic() - start < 2 + 5
+    assert outcome.stopped == "no exit within 2 s" and outcome.returncode is None
+    assert pids(outcome.text) and not any(alive(pid) for pid in pids(outcome.text))
+    verdict = crash_entries.verdict("resumed", outcome)
+    assert verdict.startswith("resumed run stopped by the drill: no exit within 2 s (before its first iteration);")
+    assert "last log lines: $ " in verdict and "pid" in verdict  # the log is a file, there from the start
+    assert (tmp_path / "run.log").read_text() == outcome.text
+
+
+def test_a_launcher_whose_child_ignores_sigterm_in_its_own_session_is_killed_whole(tmp_path: Path) -> None:
+    command = [sys.executable, "-c", LAUNCHER, STUBBORN_CHILD]
+    start = time.monotonic()
+    outcome = crash_entries.run_bounded(command, tmp_path / "run.log", bound_s=3)
+    assert time.monotonic() - start < 3 + 5
+    launcher, child = pids(outcome.text)
+    assert f"session {child}" in outcome.text  # out of the launcher's group: killpg alone would miss it
+    assert not alive(launcher) and not alive(child)
+    assert {int(line.split()[0]) for line in outcome.killed} >= {launcher, child}
+    assert "(after iteration 12)" in crash_entries.verdict("killed", outcome)
+
+
+def test_an_orphan_holding_the_output_pipe_would_hang_a_drill_that_reads_to_its_end(tmp_path: Path) -> None:
+    """The cause of issue 23's hang: torchrun has exited, its output pipe never ends."""
+    script = tmp_path / "worker.py"
+    script.write_text(KILLED_WORKER)
+    token = "pipe-test"
+    env = {**os.environ, crash_entries.RUN_TOKEN: token}
+    command = [*TORCHRUN, str(script)]
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert process.poll() not in (None, 0)  # torchrun saw its worker die and exited
+        orphans = crash_entries.processes_of(token)
+        assert any("multiprocessing" in crash_entries.describe(pid) for pid in orphans)
+        with pytest.raises(subprocess.TimeoutExpired):
+            process.communicate(timeout=3)  # subprocess.run(capture_output=True) waited here forever
+    finally:
+        crash_entries.kill_run(process.pid, token)
+        process.communicate(timeout=30)
+
+
+def test_a_killed_run_whose_orphans_outlive_it_comes_back_and_they_are_reaped(tmp_path: Path) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(KILLED_WORKER)
+    start = time.monotonic()
+    outcome = crash_entries.run_bounded([*TORCHRUN, str(script)], tmp_path / "run.log", bound_s=60, linger_s=1)
+    assert time.monotonic() - start < 60
+    assert outcome.stopped is None and outcome.returncode not in (None, 0)
+    assert crash_entries.CRASH_MARKER in outcome.text
+    assert any("multiprocessing" in line for line in outcome.left_behind)  # reported, then killed
+    assert not any(alive(int(line.split()[0])) for line in outcome.left_behind)
+
+
+# ------------------------------------------------------------------------------ whole crash entries
+FAKE_DRIVER = r'''
+"""Stands in for tests/gpu/crash_driver.py: Megatron's iteration, load and kill lines, and saves."""
+import os, signal, sys, time
+from pathlib import Path
+
+args = sys.argv[1:]
+save = Path(args[args.index("--save") + 1])
+loading = "--load" in args
+mode = os.environ.get("OFFLOAD_CRASH_AT")
+kill_at = int(os.environ.get("OFFLOAD_CRASH_ITERATION", "0"))
+fake = os.environ.get("FAKE", "")
+run = "resumed" if loading else ("killed" if mode else "uninterrupted")
+
+
+def hang():
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(1e6)
+
+
+def line(i):
+    print(
+        f" [2026-11-24 00:00:00] iteration {i:8d}/      20 | consumed samples: {8 * i:12d} | "
+        f"lm loss: {10 + i / 100:.6E} | loss scale: 1.0 | grad norm: {i}.25 | number of skipped iterations:   0 |",
+        flush=True,
+    )
+
+
+def save_at(i, complete=True):
+    directory = save / f"iter_{i:07d}"
+    if not complete:
+        directory.mkdir(parents=True)
+        (directory / "__0_0.distcp").write_bytes(b"half a file")
+        return
+    if fake:  # the hang cases need no real checkpoint
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / ".metadata").write_bytes(b"")
+    else:
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        state = {"model": {"w": torch.arange(6.0) * i}, "optimizer": {"exp_avg": torch.full((3,), i / 7)}}
+        dcp.save(state, checkpoint_id=str(directory))
+    (save / "latest_checkpointed_iteration.txt").write_text(str(i))
+
+
+def kill(where):
+    print(f"megatron-offload crash drill: SIGKILL {where} (mode {mode}, iteration {kill_at})", flush=True)
+    if fake == "killed-does-not-die":
+        hang()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+if run == "uninterrupted" and fake == "uninterrupted-hangs":
+    hang()
+start = 1
+if loading:
+    tracker = save / "latest_checkpointed_iteration.txt"
+    start = (int(tracker.read_text()) if tracker.exists() else 0) + 1
+    print(f"  successfully loaded checkpoint from {save} [ t 1/1, p 1/1 ] at iteration {start - 1}", flush=True)
+    if fake == "resumed-hangs":
+        hang()
+armed = run == "killed" and fake not in ("no-kill", "killed-passes")
+for i in range(start, 21):
+    if armed and mode != "checkpoint" and i == kill_at:
+        kill(f"after the step of iteration {i}, pending copy-out bytes 4096")
+    line(i)
+    if run == "killed" and fake == "killed-passes" and i == kill_at + 1:
+        hang()
+    if i % 5 == 0:
+        if armed and mode == "checkpoint" and i == kill_at:
+            save_at(i, complete=False)
+            kill(f"while saving the checkpoint of iteration {i}, after writing one file")
+        save_at(i)
+if run == "killed":
+    print(f"megatron-offload crash drill: iteration {kill_at} never reached the {mode} kill", flush=True)
+    sys.exit(3)
+'''
+
+
+def entry(tmp_path: Path, mode: str, fake: str, bounds: crash_entries.Bounds) -> tuple[list[str], dict, float]:
+    """One crash entry with the stand-in driver: its failures, facts and seconds."""
+    driver = tmp_path / "fake_driver.py"
+    driver.write_text(FAKE_DRIVER)
+    drill = crash_entries.CrashDrill(tmp_path / "out", [sys.executable], bounds, driver=str(driver), args=[])
+    start = time.monotonic()
+    try:
+        _, failures, facts = drill.run_entry(f"crash-{mode}", mode, {"FAKE": fake})
+    finally:
+        drill.close()
+    return failures, facts, time.monotonic() - start
+
+
+QUICK = crash_entries.Bounds(run_s=4, after_kill_s=1, linger_s=0.5)
+
+
+def test_a_good_entry_passes_with_every_check_real(tmp_path: Path) -> None:
+    failures, facts, _ = entry(tmp_path, "checkpoint", "", crash_entries.Bounds(run_s=120, linger_s=0.5))
+    assert failures == []
+    assert facts["tracker_after_kill"] == 10 and facts["tracker_names_complete_save"]
+    assert facts["cut_short_after_kill"] == ["iter_0000015"] and facts["resumed_loaded"] == [10]
+    assert facts["tensors_compared"] == 2 and facts["left_behind_by_kill"] == []
+    assert (tmp_path / "out" / "crash-checkpoint-killed.log").exists()
+
+
+def test_a_killed_run_that_never_reaches_its_kill_point_is_reported_as_such(tmp_path: Path) -> None:
+    failures, _, seconds = entry(tmp_path, "after-step", "no-kill", QUICK)
+    # Ended by itself ("it ran to its end, exit 3"), or stopped by the drill once iteration 14 was logged.
+    assert any("never reached its kill point (after-step of iteration 13)" in f for f in failures), failures
+    assert seconds < 3 * QUICK.run_s
+
+
+def test_a_killed_run_that_passes_its_kill_point_is_stopped_there_not_at_its_bound(tmp_path: Path) -> None:
+    bounds = crash_entries.Bounds(run_s=60, after_kill_s=1, linger_s=0.5)
+    failures, _, seconds = entry(tmp_path, "backward", "killed-passes", bounds)
+    expected = (
+        "killed run stopped by the drill: it never reached its kill point (backward of iteration 13): "
+        "iteration 14 logged with no SIGKILL (after iteration 14)"
+    )
+    assert any(f.startswith(expected) for f in failures), failures
+    assert seconds < 30  # the killed run was stopped at once, far from its 60 s bound
+
+
+def test_a_killed_run_that_does_not_die_ends_with_a_verdict_after_its_kill_bound(tmp_path: Path) -> None:
+    failures, _, seconds = entry(tmp_path, "after-step", "killed-does-not-die", QUICK)
+    assert any(
+        f.startswith("killed run stopped by the drill: its SIGKILL came ")
+        and "and it had not ended 1 s later (after iteration 12, after its SIGKILL line)" in f
+        for f in failures
+    ), failures
+    assert seconds < 3 * QUICK.run_s
+
+
+def test_a_resumed_run_that_hangs_ends_the_entry_with_a_verdict_naming_it(tmp_path: Path) -> None:
+    failures, _, seconds = entry(tmp_path, "after-step", "resumed-hangs", QUICK)
+    expected = (
+        "resumed run stopped by the drill: no exit within 4 s "
+        "(after loading the checkpoint of iteration 10, before its first iteration); last log lines:"
+    )
+    assert any(f.startswith(expected) for f in failures), failures
+    assert QUICK.run_s <= seconds < 3 * QUICK.run_s
+
+
+def test_an_uninterrupted_run_that_hangs_is_named_and_not_run_again(tmp_path: Path) -> None:
+    driver = tmp_path / "fake_driver.py"
+    driver.write_text(FAKE_DRIVER)
+    drill = crash_entries.CrashDrill(tmp_path / "out", [sys.executable], QUICK, driver=str(driver), args=[])
+    try:
+        start = time.monotonic()
+        first = drill.run_entry("crash-after-step", "after-step", {"FAKE": "uninterrupted-hangs"})[1]
+        second = drill.run_entry("crash-backward", "backward", {"FAKE": "uninterrupted-hangs"})[1]
+        seconds = time.monotonic() - start
+    finally:
+        drill.close()
+    expected = "uninterrupted run stopped by the drill: no exit within 4 s (before its first iteration)"
+    assert first[0].startswith(expected) and second[0].startswith(expected)
+    assert seconds < QUICK.run_s + 4 * 3  # the hang was waited for once, its verdict given twice
+
+
+def test_the_drill_kills_its_run_when_it_is_interrupted_itself(tmp_path: Path) -> None:
+    """A KeyboardInterrupt (or any error) in the drill leaves no run behind."""
+    seen: list[int] = []
+
+    def interrupt(text: str, elapsed: float) -> str | None:
+        seen.extend(pids(text))
+        if seen:
+            raise KeyboardInterrupt
+        return None
+
+    with pytest.raises(KeyboardInterrupt):
+        crash_entries.run_bounded([sys.executable, "-c", SLEEPER], tmp_path / "run.log", bound_s=30, watch=interrupt)
+    assert seen and not alive(seen[0])
+
+
+DRILL = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import crash_entries
+from pathlib import Path
+
+crash_entries.exit_on_sigterm()
+crash_entries.run_bounded([sys.executable, "-c", sys.argv[3]], Path(sys.argv[2]), bound_s=120)
+"""
+
+
+def test_a_drill_ended_with_sigterm_takes_its_run_with_it(tmp_path: Path) -> None:
+    """``timeout`` or a scheduler ends the drill with SIGTERM: the run under way (in a session of its own,
+    which no signal to the drill's group reaches) is killed on the way out."""
+    log = tmp_path / "run.log"
+    scripts = str(Path(crash_entries.__file__).parent)
+    drill = subprocess.Popen([sys.executable, "-c", DRILL, scripts, str(log), SLEEPER])
+    deadline = time.monotonic() + 30
+    while not (log.exists() and pids(log.read_text())) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    drill.terminate()
+    assert drill.wait(timeout=30) == 128 + 15
+    assert pids(log.read_text()) and not alive(pids(log.read_text())[0])
