@@ -44,6 +44,7 @@ from megatron_offload.args import (
     validate_offload_args,
 )
 from megatron_offload.gpu_memory import apply_memory_cap, use_expandable_segments_by_default
+from megatron_offload.host_memory import HostMemoryError, check_host_room
 from megatron_offload.launch_config import NO_CUDA, add_switch_inverses, missing_training_message
 from megatron_offload.megatron_adapter import OffloadHandle, attach_offloader
 from megatron_offload.megatron_sleep import install_rl_sleep_hooks
@@ -83,6 +84,20 @@ def _stop(message: str) -> NoReturn:
     if int(os.environ.get("RANK", "0")) == 0:
         print(message, file=sys.stderr, flush=True)
     raise SystemExit(2)
+
+
+def state_bytes_per_rank(args: argparse.Namespace) -> int | None:
+    """Host bytes the offloaded state will take on this rank (its most loaded shard), from Megatron's own
+    parameter count (``theoretical_memory_usage``), which charges a parameter 6 + 12/DP bytes with the
+    distributed optimizer; None where it cannot count this model (the engine checks exactly at attach)."""
+    try:
+        from megatron.training.theoretical_memory_usage import compute_weight_and_optimizer_memory
+
+        data_parallel = args.data_parallel_size
+        params = compute_weight_and_optimizer_memory(args) / (6 + 12 / data_parallel)
+    except Exception:  # an estimate: a model it cannot count is checked exactly at attach instead
+        return None
+    return int(params * (12 if getattr(args, "offload_master_weights", True) else 8) / data_parallel)
 
 
 def _refuse_bad_flags(check: Callable[[argparse.Namespace], None], args: argparse.Namespace) -> None:
@@ -152,6 +167,13 @@ def install_training_hooks() -> None:
         if ignored:
             verb = "has" if len(ignored) == 1 else "have"
             _print_once(f"megatron-offload: {', '.join(ignored)} {verb} no effect without --offload-optimizer-states")
+        if getattr(args, "offload_optimizer_states", False) and getattr(args, "offload_host_memory_check", True):
+            needed = state_bytes_per_rank(args)
+            if needed:  # before the model is built: a node that cannot hold the state stops here, in one line
+                try:
+                    check_host_room(needed)
+                except HostMemoryError as error:
+                    _stop(f"megatron-offload: {error}")
         cap = getattr(args, "offload_gpu_memory_cap_gib", None)
         if cap is not None:  # before the model is built, so that everything counts against it
             apply_memory_cap(cap, int(os.environ.get("LOCAL_RANK", "0")))

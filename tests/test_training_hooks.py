@@ -164,3 +164,39 @@ def test_the_launcher_help_lists_the_offload_flags(capsys: pytest.CaptureFixture
     for flag in ("--offload-prefetch {auto,finalize,step}", "--offload-chunk-mb MIB", "--offload-fraction {auto,F}"):
         assert flag in out
     assert "--offload-gpu-memory-cap-gib GIB" in out and "--no-offload-host-memory-check" in out
+
+
+def test_a_node_without_room_for_the_state_stops_in_one_line_before_the_model_is_built(
+    megatron: types.ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from megatron_offload import host_memory
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(megatron_training, "state_bytes_per_rank", lambda args: 40 * 2**30)
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 16 * 2**30)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as exit_:
+        parse_and_validate(megatron, monkeypatch, "--offload-optimizer-states", "--use-distributed-optimizer")
+    (line,) = capsys.readouterr().err.splitlines()
+    assert exit_.value.code == 2
+    assert line.startswith("megatron-offload: --offload-optimizer-states needs 40.00 GiB of host memory per rank x 2")
+    assert "--no-offload-host-memory-check" in line
+    capsys.readouterr()
+    parse_and_validate(  # the check turned off: no refusal
+        megatron,
+        monkeypatch,
+        "--offload-optimizer-states",
+        "--use-distributed-optimizer",
+        "--no-offload-host-memory-check",
+    )
+
+
+def test_the_state_on_a_rank_is_counted_from_megatrons_own_estimate(monkeypatch: pytest.MonkeyPatch) -> None:
+    estimate = types.ModuleType("megatron.training.theoretical_memory_usage")
+    estimate.compute_weight_and_optimizer_memory = lambda args: 1e9 * (6 + 12 / args.data_parallel_size)
+    monkeypatch.setitem(sys.modules, "megatron.training.theoretical_memory_usage", estimate)
+    args = argparse.Namespace(data_parallel_size=2, offload_master_weights=True)
+    assert megatron_training.state_bytes_per_rank(args) == 6 * 10**9  # 1e9 params x 12 bytes / 2 ranks
+    args.offload_master_weights = False
+    assert megatron_training.state_bytes_per_rank(args) == 4 * 10**9
+    assert megatron_training.state_bytes_per_rank(argparse.Namespace()) is None  # cannot count: no check here
