@@ -36,6 +36,7 @@ status=0
 for v in "${versions[@]}"; do
   site=/tmp/site-$v
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/mcore-$v/*.whl || exit 2
+  python3 -m compileall -q -j 0 "$site/megatron" >/dev/null 2>&1  # once here, not at every run's start
   export PYTHONPATH=$site:$PWD
   if wants tests; then
     echo "=== megatron-core $v: tests"
