@@ -18,6 +18,7 @@ a dependency that is already queued).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -73,9 +74,9 @@ class OptimizerStateOffloader:
     block until its copy out starts, then at their host copy, which is whole once that copy has landed
     (``host_copies_ready()`` before reading it on the CPU). A copy holds the GPU memory it reads or
     fills until it has landed, so the allocator never hands that memory out while a copy uses it.
-    NOTE: the plan is looked up again by ``offload()`` only when ``plan_dirty`` is set (at attach, and
-    by whoever replaces the state's tensors: a checkpoint load). Adam's moments, made at its first step,
-    join their param's chunk (the slab was sized for them).
+    NOTE: ``offload()`` and the streamed step check the plan against the state (one walk each): a tensor
+    the plan does not hold, or ``plan_dirty`` (set after a checkpoint load), makes a new plan. Adam's
+    moments, made at its first step, join their param's chunk (the slab was sized for them).
     NOTE: kept chunks (``fraction`` below 1, or chosen for ``auto``) are planned into the slab too, so
     they can leave at once should memory run short.
     NOTE: a chunk that came back but was never handed to the compute stream (a skipped step) is not
@@ -323,7 +324,7 @@ class OptimizerStateOffloader:
 
     def _retire_landed(self) -> None:
         for flying in self._flying.values():
-            while flying and self._landed(flying[0]):
+            while flying and self._query(flying[0], flying[0].done):
                 self._retire(flying.popleft())
 
     def flush(self) -> None:
@@ -391,9 +392,6 @@ class OptimizerStateOffloader:
             entry.in_block = True  # the next copy back puts it in the chunk's block
         chunk.on_gpu, chunk.block, chunk.ready, chunk.touched = False, None, None, False
 
-    def _landed(self, copy: Copy) -> bool:
-        return self._query(copy, copy.done)
-
     def _query(self, copy: Copy, event: Event) -> bool:
         try:
             return event.query()
@@ -443,22 +441,28 @@ class OptimizerStateOffloader:
         return True
 
     @torch.no_grad()
-    def offload(self, now: bool = True, count: bool = True) -> None:
+    def offload(self, now: bool = True) -> None:
         """Queue every chunk on the GPU that is not kept to leave; ``now``: start every copy at once
         (``False``: the training loop's points start them, a few at a time). A new set of state tensors
         (a load replaced them) gets a new plan first."""
         if not self.plan_is_current():
             self._refresh_plan()
+        queued = self.queue_out()
+        if now:
+            self.flush()
+        if queued:
+            self.count_step()
+
+    def queue_out(self) -> bool:
+        """Queue every chunk on the GPU that is not kept and not leaving yet, on the plan as it stands
+        (copies back that never started are dropped: those chunks stay on the host). True if any was."""
         for copy in list(self._queued[PREFETCH]):
             if not copy.chunk.kept:
-                self._cancel(copy)  # not started: it stays on the host
+                self._cancel(copy)
         leaving = [chunk for chunk in self.chunks if chunk.on_gpu and not chunk.kept and not self._leaving(chunk)]
         for chunk in leaving:
             self.queue_offload(chunk)
-        if now:
-            self.flush()
-        if count and leaving:
-            self.count_step()
+        return bool(leaving)
 
     def count_step(self) -> None:
         if not self.stats.host_bytes or all(chunk.kept for chunk in self.chunks):
@@ -557,10 +561,26 @@ class OptimizerStateOffloader:
                         "is its host copy; make gradients on the GPU (e.g. torch.randn(shape, device='cuda'))"
                     )
 
-    def params_on_device(self) -> _DevicePlaceholders:
+    @contextlib.contextmanager
+    def params_on_device(self) -> Iterator[None]:
         """While inside, offloaded params (master weights) look like device tensors of the right shape
         (no memory behind them), so code that assigns their ``.grad`` before the step works."""
-        return _DevicePlaceholders(self)
+        swapped = []
+        if self.device is not None and self.device.type == "cuda":
+            for chunk in self.chunks:
+                for entry in chunk.entries:
+                    if not chunk.on_gpu and entry.is_param:
+                        dtype = entry.tensor.dtype
+                        if dtype not in self._placeholders:
+                            self._placeholders[dtype] = torch.empty((), dtype=dtype, device=self.device)
+                        entry.tensor.data = self._placeholders[dtype].expand(entry.tensor.shape)
+                        swapped.append((chunk, entry))
+        try:
+            yield
+        finally:
+            for chunk, entry in swapped:
+                if not chunk.on_gpu:
+                    entry.tensor.data = entry.host
 
     def host_copies_ready(self) -> None:
         """Block until every copy has landed, so CPU code can read offloaded state."""
@@ -584,30 +604,3 @@ class OptimizerStateOffloader:
             self.stats.peak_allocated_bytes = torch.cuda.max_memory_allocated(self.device)
             self.stats.peak_reserved_bytes = torch.cuda.max_memory_reserved(self.device)
         return self.stats
-
-
-class _DevicePlaceholders:
-    """See ``OptimizerStateOffloader.params_on_device``."""
-
-    def __init__(self, offloader: OptimizerStateOffloader) -> None:
-        self.offloader = offloader
-        self.swapped: list[tuple[Chunk, planning.Entry]] = []
-
-    def __enter__(self) -> None:
-        off = self.offloader
-        if off.device is None or off.device.type != "cuda":
-            return
-        for chunk in off.chunks:
-            for entry in chunk.entries:
-                if not chunk.on_gpu and entry.is_param:
-                    if entry.tensor.dtype not in off._placeholders:
-                        off._placeholders[entry.tensor.dtype] = torch.empty(
-                            (), dtype=entry.tensor.dtype, device=off.device
-                        )
-                    entry.tensor.data = off._placeholders[entry.tensor.dtype].expand(entry.tensor.shape)
-                    self.swapped.append((chunk, entry))
-
-    def __exit__(self, *exc: object) -> None:
-        for chunk, entry in self.swapped:
-            if not chunk.on_gpu:
-                entry.tensor.data = entry.host

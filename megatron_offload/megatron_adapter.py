@@ -155,11 +155,6 @@ class _StreamedStep:
         streamed_step.run(self.offloader, self.stepper, self.copy_chunk_to_model)
         self.copied = True
 
-    def forget(self) -> None:
-        """The state was replaced (a load): cut the group lists again."""
-        self._cuts.clear()
-        self.stepper.forget()
-
     def copy_chunk_to_model(self, params: Sequence[torch.Tensor]) -> None:
         """megatron-core's own master-to-model copy, on its group lists cut to these params."""
         key = tuple(id(param) for param in params)

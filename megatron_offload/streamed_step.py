@@ -138,6 +138,6 @@ def run(off: OptimizerStateOffloader, stepper: ChunkStepper, after_chunk: AfterC
                 # The buffer may be overwritten once that chunk's copy out has read it (queued already).
                 bring_in(upcoming, leaving[before].done if before >= 0 and leaving[before] else fresh)
     finally:
-        off.offload(now=False, count=False)  # whatever is still here and not kept leaves, never half-way
+        off.queue_out()  # whatever is still here and not kept leaves, never half-way (the plan was checked above)
         off.count_step()
         off.pump()
