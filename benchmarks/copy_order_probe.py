@@ -22,9 +22,10 @@ import time
 
 import torch
 
-from megatron_offload import OptimizerStateOffloader, streamed_step
-from megatron_offload.chunk_step import ChunkStepper
-from megatron_offload.host_memory import HostSlab
+from megatron_offload import OptimizerStateOffloader
+from megatron_offload.core.host_memory import HostSlab
+from megatron_offload.optimizer_state import streamed_step
+from megatron_offload.optimizer_state.chunk_step import ChunkStepper
 
 GB = 1e9
 PARAM_NUMEL = 4 * 1024**2  # 16 MiB fp32 masters: a chunk holds a few masters with their moments

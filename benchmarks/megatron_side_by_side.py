@@ -51,8 +51,8 @@ from trace_summary import TraceError, load_trace  # noqa: E402
 from trace_summary import compare as compare_traces  # noqa: E402
 from trace_summary import table as trace_table  # noqa: E402
 
-from megatron_offload.launch_config import expand_config_argv, needs_one_connection  # noqa: E402
-from megatron_offload.units import cap_below_peak  # noqa: E402
+from megatron_offload.config.files import expand_config_argv, needs_one_connection  # noqa: E402
+from megatron_offload.core.units import cap_below_peak  # noqa: E402
 
 OFFLOAD = ["--offload-optimizer-states"]
 # Upstream's offloader (Megatron-LM dev, ChunkedOptimizerStateOffloader), as issue 20 ran it. Its

@@ -24,15 +24,15 @@ from copy import copy
 from importlib.metadata import version
 from typing import Any
 
-from megatron_offload.gpu_memory import use_expandable_segments_by_default
+from megatron_offload.core.gpu_memory import use_expandable_segments_by_default
 
 ALLOCATOR_NOTE = use_expandable_segments_by_default()  # before CUDA starts, as our entry points do
 
 import torch  # noqa: E402
 
 from megatron_offload import attach_offloader  # noqa: E402
-from megatron_offload.host_memory import HostSlab  # noqa: E402
-from megatron_offload.units import cap_below_peak  # noqa: E402
+from megatron_offload.core.host_memory import HostSlab  # noqa: E402
+from megatron_offload.core.units import cap_below_peak  # noqa: E402
 from tests.gpu.harness import GPTShape, GPTTraining, build_gpt_training, init_distributed, state_bytes  # noqa: E402
 
 GB, GIB = 1e9, 2**30

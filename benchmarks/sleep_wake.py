@@ -29,15 +29,15 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
-from megatron_offload.gpu_memory import use_expandable_segments_by_default
+from megatron_offload.core.gpu_memory import use_expandable_segments_by_default
 
 ALLOCATOR_NOTE = use_expandable_segments_by_default()  # before CUDA starts, as our entry points do
 
 import torch  # noqa: E402
 
 from megatron_offload import MegatronSleeper, sleep_wake_for  # noqa: E402
-from megatron_offload.host_memory import HostSlab  # noqa: E402
-from megatron_offload.sleep import SleepReport  # noqa: E402
+from megatron_offload.core.host_memory import HostSlab  # noqa: E402
+from megatron_offload.sleep.sleeper import SleepReport  # noqa: E402
 from tests.gpu import harness  # noqa: E402
 
 GB, GIB = 1e9, 2**30

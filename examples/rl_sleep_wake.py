@@ -299,7 +299,7 @@ def main() -> int:
     )
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # megatron_offload from this checkout
-    from megatron_offload.gpu_memory import use_expandable_segments_by_default
+    from megatron_offload.core.gpu_memory import use_expandable_segments_by_default
 
     note = use_expandable_segments_by_default()  # before CUDA starts
     if note:

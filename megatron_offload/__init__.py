@@ -4,19 +4,19 @@ Adam's moments and the fp32 master weights live in pinned host memory between op
 come back on a side CUDA stream before the next step; the Adam math stays on the GPU.
 """
 
-from megatron_offload.args import add_offload_args, config_from_args, validate_offload_args
-from megatron_offload.config import OffloadConfig, PrefetchPolicy
-from megatron_offload.engine import OffloadCopyError, OptimizerStateOffloader
-from megatron_offload.host_memory import HostMemoryError
-from megatron_offload.megatron_adapter import (
+from megatron_offload.config.flags import add_offload_args, config_from_args, validate_offload_args
+from megatron_offload.config.options import OffloadConfig, PrefetchPolicy
+from megatron_offload.core.host_memory import HostMemoryError
+from megatron_offload.core.stats import OffloadStats
+from megatron_offload.megatron.optimizer_adapter import (
     CHECKED_MEGATRON_CORE_VERSIONS,
     OffloadFitError,
     OffloadHandle,
     attach_offloader,
 )
-from megatron_offload.megatron_sleep import MegatronSleeper, install_rl_sleep_hooks, sleep_wake_for
-from megatron_offload.sleep import SleepError, SleepReport
-from megatron_offload.stats import OffloadStats
+from megatron_offload.megatron.sleep_hooks import MegatronSleeper, install_rl_sleep_hooks, sleep_wake_for
+from megatron_offload.optimizer_state.offloader import OffloadCopyError, OptimizerStateOffloader
+from megatron_offload.sleep.sleeper import SleepError, SleepReport
 
 __version__ = "0.1.0"
 

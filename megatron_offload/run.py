@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from megatron_offload.args import add_offload_args
-from megatron_offload.launch_config import NO_CUDA, expand_config_argv
-from megatron_offload.megatron_adapter import OffloadFitError
-from megatron_offload.megatron_training import MissingMegatronTraining, install_training_hooks
+from megatron_offload.config.files import NO_CUDA, expand_config_argv
+from megatron_offload.config.flags import add_offload_args
+from megatron_offload.megatron.optimizer_adapter import OffloadFitError
+from megatron_offload.megatron.training_hooks import MissingMegatronTraining, install_training_hooks
 
 USAGE = "usage: python -m megatron_offload.run SCRIPT [--config FILE.yaml] [SCRIPT ARGS...]"
 

@@ -139,7 +139,7 @@ def run_one(name: str, command: list[str], args: argparse.Namespace, progress: R
     """Run one configuration, streaming its output to DIR/<name>.log; its exit status."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0"}
     sys.path.insert(0, str(ROOT))
-    from megatron_offload.launch_config import needs_one_connection
+    from megatron_offload.config.files import needs_one_connection
 
     if needs_one_connection(command):
         env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # megatron-core requires it with TP or CP > 1

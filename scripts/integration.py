@@ -35,7 +35,7 @@ from memory_report import parse_log as parse_megatron_log
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # megatron_offload without pip install
-from megatron_offload.units import cap_below_peak  # noqa: E402
+from megatron_offload.core.units import cap_below_peak  # noqa: E402
 
 TINY = ["scripts/pretrain_gpt.py", "--config", "configs/tiny.yaml", "--log-memory-interval", "20"]
 OFFLOAD = ["--offload-optimizer-states"]

@@ -28,7 +28,7 @@ def _require_megatron_training() -> None:
     if present:
         return
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from megatron_offload.launch_config import missing_training_message
+    from megatron_offload.config.files import missing_training_message
 
     print(f"pretrain_gpt.py: {missing_training_message()}", file=sys.stderr)
     sys.exit(2)
@@ -38,7 +38,7 @@ _require_megatron_training()
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # megatron_offload without pip install
 
-from megatron_offload.launch_config import expand_config_argv
+from megatron_offload.config.files import expand_config_argv
 
 try:
     sys.argv[1:] = expand_config_argv(sys.argv[1:])
@@ -58,8 +58,8 @@ from megatron.training.training import pretrain
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
 import megatron_offload
-from megatron_offload.megatron_adapter import OffloadFitError  # noqa: E402
-from megatron_offload.megatron_training import install_training_hooks
+from megatron_offload.megatron.optimizer_adapter import OffloadFitError  # noqa: E402
+from megatron_offload.megatron.training_hooks import install_training_hooks
 
 
 def get_batch(data_iterator, vp_stage=None):

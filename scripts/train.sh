@@ -48,12 +48,12 @@ if [ ! -e "$stamp" ]; then
 fi
 
 # 4. The command line (config file, megatron.training, CUDA): one line if it cannot run.
-"$venv/bin/python" -m megatron_offload.launch_config --config "$config" "$@" || exit 2
+"$venv/bin/python" -m megatron_offload.config.files --config "$config" "$@" || exit 2
 
 export NCCL_NVLS_ENABLE=${NCCL_NVLS_ENABLE:-0}
 # megatron-core requires one hardware queue with tensor or context parallelism; plain data parallelism
 # keeps the default, which lets copies and compute overlap more freely.
-if "$venv/bin/python" -c 'import sys; from megatron_offload.launch_config import needs_one_connection as n
+if "$venv/bin/python" -c 'import sys; from megatron_offload.config.files import needs_one_connection as n
 sys.exit(0 if n(sys.argv[1:]) else 1)' --config "$config" "$@"; then
   export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 fi

@@ -5,7 +5,7 @@ import argparse
 import pytest
 
 from megatron_offload import OffloadConfig, PrefetchPolicy, add_offload_args, config_from_args, validate_offload_args
-from megatron_offload.args import check_offload_combinations, ignored_offload_flags
+from megatron_offload.config.flags import check_offload_combinations, ignored_offload_flags
 
 
 def megatron_like_args(**overrides: object) -> argparse.Namespace:
@@ -207,7 +207,7 @@ def test_the_cap_is_checked_with_offloading_off_too() -> None:
 def test_a_config_file_gets_the_same_checks(
     tmp_path, capsys: pytest.CaptureFixture[str], yaml_line: str, expected: str
 ) -> None:
-    from megatron_offload.launch_config import expand_config_argv
+    from megatron_offload.config.files import expand_config_argv
 
     (tmp_path / "run.yaml").write_text(f"offload-optimizer-states: true\n{yaml_line}\n")
     parser = add_offload_args(argparse.ArgumentParser())
@@ -238,7 +238,7 @@ def test_fraction_auto_from_the_flag_reaches_the_config(text: str) -> None:
 
 
 def test_fraction_auto_from_a_config_file(tmp_path) -> None:
-    from megatron_offload.launch_config import expand_config_argv
+    from megatron_offload.config.files import expand_config_argv
 
     (tmp_path / "run.yaml").write_text("offload-optimizer-states: true\noffload-fraction: auto\n")
     argv = expand_config_argv(["--config", str(tmp_path / "run.yaml")])

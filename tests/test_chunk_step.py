@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_offload.chunk_step import ChunkStepper
+from megatron_offload.optimizer_state.chunk_step import ChunkStepper
 
 
 def params_and_grads(seed: int) -> list[torch.nn.Parameter]:

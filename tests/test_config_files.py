@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from megatron_offload import add_offload_args
-from megatron_offload.launch_config import (
+from megatron_offload.config.files import (
     NO_CUDA,
     add_switch_inverses,
     expand_config_argv,
@@ -127,7 +127,7 @@ def test_the_preflight_stops_on_a_machine_without_cuda(monkeypatch: pytest.Monke
 
 def test_the_preflight_command_prints_one_line_and_exits_2() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "megatron_offload.launch_config", "--config", "nope.yaml", "--bf16"],
+        [sys.executable, "-m", "megatron_offload.config.files", "--config", "nope.yaml", "--bf16"],
         capture_output=True,
         text=True,
         cwd=ROOT,

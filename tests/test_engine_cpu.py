@@ -9,10 +9,12 @@ import logging
 import pytest
 import torch
 
-from megatron_offload import HostMemoryError, OffloadCopyError, OptimizerStateOffloader, host_memory, streamed_step
-from megatron_offload.chunk_step import ChunkStepper, RestrictedStep
-from megatron_offload.plan import ALIGN
-from megatron_offload.streams import HostStreams
+from megatron_offload import HostMemoryError, OffloadCopyError, OptimizerStateOffloader
+from megatron_offload.core import host_memory
+from megatron_offload.core.streams import HostStreams
+from megatron_offload.optimizer_state import streamed_step
+from megatron_offload.optimizer_state.chunk_step import ChunkStepper, RestrictedStep
+from megatron_offload.optimizer_state.plan import ALIGN
 
 
 def adam_with_masters(sizes: tuple[int, ...] = (37, 1000, 5)) -> tuple[torch.optim.AdamW, list[torch.Tensor]]:

@@ -11,8 +11,9 @@ import warnings
 import pytest
 import torch
 
-from megatron_offload import HostMemoryError, OptimizerStateOffloader, host_memory
-from megatron_offload.host_memory import GIB, HostSlab, describe_cost
+from megatron_offload import HostMemoryError, OptimizerStateOffloader
+from megatron_offload.core import host_memory
+from megatron_offload.core.host_memory import GIB, HostSlab, describe_cost
 from tests.test_engine_cpu import adam_with_masters, take_step
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from megatron_offload import OffloadStats
-from megatron_offload.launch_config import expand_config_argv
-from megatron_offload.report import MemoryReading, format_offload_fields
+from megatron_offload.config.files import expand_config_argv
+from megatron_offload.megatron.report import MemoryReading, format_offload_fields
 from megatron_offload.run import main as run_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,7 +138,7 @@ def test_integration_reads_losses_memory_and_offload_figures_from_megatron_logs(
     ],
 )
 def test_one_connection_only_for_tensor_or_context_parallelism(argv: list[str], expected: bool) -> None:
-    from megatron_offload.launch_config import needs_one_connection
+    from megatron_offload.config.files import needs_one_connection
 
     assert needs_one_connection([arg.replace("configs/", f"{ROOT}/configs/") for arg in argv]) is expected
 
@@ -150,7 +150,7 @@ def test_train_sh_asks_for_one_connection_only_where_megatron_requires_it() -> N
 
 
 def test_expandable_segments_unless_the_user_configured_the_allocator() -> None:
-    from megatron_offload.gpu_memory import use_expandable_segments_by_default
+    from megatron_offload.core.gpu_memory import use_expandable_segments_by_default
 
     environ: dict[str, str] = {}
     note = use_expandable_segments_by_default(environ)

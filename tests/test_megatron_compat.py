@@ -16,7 +16,7 @@ if distrib_optimizer.HAVE_APEX_OR_TE:
         "TransformerEngine or apex is installed: the torch-Adam path is not megatron-core's", allow_module_level=True
     )
 
-from megatron_offload.adam_resume import fix_torch_adam_checkpoints  # noqa: E402
+from megatron_offload.megatron.adam_resume import fix_torch_adam_checkpoints  # noqa: E402
 
 
 def distributed_optimizer(params: list[torch.Tensor]) -> object:

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_offload import pacing
-from megatron_offload.scheduler import Peaks, StateScheduler
-from megatron_offload.units import GIB, MIB
+from megatron_offload.core.units import GIB, MIB
+from megatron_offload.megatron import pacing
+from megatron_offload.optimizer_state.scheduler import Peaks, StateScheduler
 
 
 class Ledger:

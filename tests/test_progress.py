@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from megatron_offload.progress import GIB, pin_progress
+from megatron_offload.core.progress import GIB, pin_progress
 
 
 def fake_clock(*readings: float):

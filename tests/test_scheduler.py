@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_offload.scheduler import MIN_MARGIN_BYTES, Peaks, StateScheduler
-from megatron_offload.units import GIB
+from megatron_offload.core.units import GIB
+from megatron_offload.optimizer_state.scheduler import MIN_MARGIN_BYTES, Peaks, StateScheduler
 
 
 def scheduler(limit_gib: float) -> StateScheduler:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_offload.launch_config import NO_CUDA
+from megatron_offload.config.files import NO_CUDA
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_NVIDIA_DRIVER = shutil.which("nvidia-smi") is not None or Path("/proc/driver/nvidia/version").exists()
@@ -23,7 +23,7 @@ case "$*" in
   *"sys.exit(sys.version_info < (3, 12))"*) [ "$FAKE_VERSION" != "${FAKE_VERSION#3.12}" ] ;;
   "-m venv "*) mkdir -p "$3/bin" && cp "$0" "$3/bin/python" && cp "$0" "$3/bin/ruff" ;;
   "-m pip install"*) exit "$PIP_STATUS" ;;
-  "-m megatron_offload.launch_config"*) echo "preflight stops here" >&2; exit 2 ;;
+  "-m megatron_offload.config.files"*) echo "preflight stops here" >&2; exit 2 ;;
 esac
 """
 

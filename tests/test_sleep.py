@@ -12,8 +12,10 @@ import logging
 import pytest
 import torch
 
-from megatron_offload import OptimizerStateOffloader, host_memory, sleep
-from megatron_offload.sleep import Sleeper, SleepError, SleepReport, Transfer
+from megatron_offload import OptimizerStateOffloader
+from megatron_offload.core import host_memory
+from megatron_offload.sleep import sleeper as sleep
+from megatron_offload.sleep.sleeper import Sleeper, SleepError, SleepReport, Transfer
 
 
 def adam_with_masters(seed: int = 0) -> tuple[torch.optim.AdamW, list[torch.Tensor]]:
@@ -227,13 +229,13 @@ def test_a_sleep_that_was_not_prepared_pins_on_the_way_and_says_so(
     take_step(setup.optimizer, 0)
     sleeper = setup.sleeper()
     sleeper.prepare(["grads"])
-    with caplog.at_level(logging.WARNING, logger="megatron_offload.sleep"):
+    with caplog.at_level(logging.WARNING, logger="megatron_offload.sleep.sleeper"):
         report = sleeper.sleep(["optimizer", "grads", "params"])
     assert [t.part for t in report.pinned] == ["optimizer", "params"] and len(slabs_made) == 3
     assert "pinned 0.00 GiB of host memory on the way" in caplog.text and "call prepare() at setup" in caplog.text
     sleeper.wake()
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="megatron_offload.sleep"):
+    with caplog.at_level(logging.WARNING, logger="megatron_offload.sleep.sleeper"):
         assert sleeper.sleep(["optimizer", "grads", "params"]).pinned == []
     assert caplog.text == "" and len(slabs_made) == 3
 

@@ -21,7 +21,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer  # no
 from megatron.core.optimizer.optimizer import ChainedOptimizer  # noqa: E402
 
 from megatron_offload import SleepError, attach_offloader, sleep_wake_for  # noqa: E402
-from megatron_offload.megatron_sleep import route_rl_offload_through_sleep  # noqa: E402
+from megatron_offload.megatron.sleep_hooks import route_rl_offload_through_sleep  # noqa: E402
 
 
 def ddp_chunk(seed: int, with_param_buffer: bool = True) -> DistributedDataParallel:
@@ -233,11 +233,11 @@ def test_the_offloading_side_never_imports_the_sleep_side() -> None:
     import ast
     import inspect
 
-    from megatron_offload import megatron_adapter
+    from megatron_offload.megatron import optimizer_adapter as megatron_adapter
 
     tree = ast.parse(inspect.getsource(megatron_adapter))
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    assert "megatron_offload.megatron_adapter" not in imported  # sanity: the walk sees module names
-    assert "megatron_offload.engine" in imported
-    assert not {"megatron_offload.megatron_sleep", "megatron_offload.sleep"} & imported
+    assert "megatron_offload.megatron.optimizer_adapter" not in imported  # sanity: the walk sees module names
+    assert "megatron_offload.optimizer_state.offloader" in imported
+    assert not {"megatron_offload.megatron.sleep_hooks", "megatron_offload.sleep.sleeper"} & imported

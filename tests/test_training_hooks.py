@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_offload import megatron_training, run
-from megatron_offload.launch_config import NO_CUDA, expand_config_argv
+from megatron_offload import run
+from megatron_offload.config.files import NO_CUDA, expand_config_argv
+from megatron_offload.megatron import training_hooks as megatron_training
 
 MEGATRON_DUMP = "------------------------ arguments ------------------------"
 
@@ -169,7 +170,7 @@ def test_the_launcher_help_lists_the_offload_flags(capsys: pytest.CaptureFixture
 def test_a_node_without_room_for_the_state_stops_in_one_line_before_the_model_is_built(
     megatron: types.ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from megatron_offload import host_memory
+    from megatron_offload.core import host_memory
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(megatron_training, "state_bytes_per_rank", lambda args: 40 * 2**30)

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from megatron_offload import attach_offloader  # noqa: E402
-from megatron_offload.units import SAVING_SHARE, cap_below_peak  # noqa: E402
+from megatron_offload.core.units import SAVING_SHARE, cap_below_peak  # noqa: E402
 from tests.gpu.harness import GPTShape, build_gpt_training, init_distributed, state_bytes  # noqa: E402
 
 # Activations of a micro-batch (~1.5 GiB) well above the state (~0.9 GiB), as in pretraining.

@@ -28,7 +28,7 @@ import pretrain_gpt  # noqa: E402  (expands --config in sys.argv)
 import torch  # noqa: E402
 from megatron.training import training  # noqa: E402
 
-from megatron_offload.megatron_training import attached_handles, install_training_hooks  # noqa: E402
+from megatron_offload.megatron.training_hooks import attached_handles, install_training_hooks  # noqa: E402
 
 CRASH_MARKER = "megatron-offload crash drill: SIGKILL"
 MODE = os.environ.get("OFFLOAD_CRASH_AT")

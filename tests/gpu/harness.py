@@ -245,7 +245,7 @@ def build_gpt_training(
 
 def state_bytes(training: GPTTraining) -> int:
     """The fp32 master and Adam state of this rank: 12 bytes per parameter shard the optimizer steps."""
-    from megatron_offload.megatron_adapter import distributed_optimizers
+    from megatron_offload.megatron.optimizer_adapter import distributed_optimizers
 
     inner = [dist_opt.optimizer for dist_opt in distributed_optimizers(training.optimizer)]
     return 12 * sum(param.numel() for opt in inner for group in opt.param_groups for param in group["params"])

@@ -104,7 +104,7 @@ def case(function: Callable[[], tuple[list[str], str, dict]]) -> dict[str, Any]:
 
 def snapshot(training: Any) -> dict[str, Any]:
     """Model params, fp32 masters and Adam moments, cloned (the state must be on the GPU: detach first)."""
-    from megatron_offload.megatron_adapter import distributed_optimizers
+    from megatron_offload.megatron.optimizer_adapter import distributed_optimizers
 
     tensors = {f"model.{name}": p.detach().clone() for name, p in training.model[0].named_parameters()}
     for o, dist_opt in enumerate(distributed_optimizers(training.optimizer)):
@@ -135,7 +135,7 @@ def train(training: Any, steps: int = STEPS) -> None:
 def surface(training: Any) -> dict[str, Any]:
     """What attaching changes, read without the library: instance attributes (callables by identity) of
     the optimizers and model configs, and the hooks on the model's modules and parameters."""
-    from megatron_offload.megatron_adapter import distributed_optimizers
+    from megatron_offload.megatron.optimizer_adapter import distributed_optimizers
 
     dist_opts = distributed_optimizers(training.optimizer)
     objects = {"optimizer": training.optimizer, "model config": training.config}
@@ -168,7 +168,8 @@ def left_behind(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
 def slab_cases() -> dict[str, dict]:
     import torch
 
-    from megatron_offload import HostMemoryError, host_memory
+    from megatron_offload import HostMemoryError
+    from megatron_offload.core import host_memory
 
     def pinned() -> tuple[list[str], str, dict]:
         slab = host_memory.HostSlab(256 * 2**20, torch.uint8, pin=True)
@@ -193,7 +194,9 @@ def slab_cases() -> dict[str, dict]:
 def attach_cases(shape: Any, reference: dict[str, Any]) -> dict[str, dict]:
     import torch
 
-    from megatron_offload import HostMemoryError, attach_offloader, host_memory, megatron_adapter
+    from megatron_offload import HostMemoryError, attach_offloader
+    from megatron_offload.core import host_memory
+    from megatron_offload.megatron import optimizer_adapter as megatron_adapter
     from tests.gpu import harness
 
     def after_failed_attach(training: Any, before: dict, masters: dict, intact: dict) -> list[str]:
@@ -336,7 +339,7 @@ def refuse_host_memory_at_save(nth: int) -> None:
 
 
 def run_in_megatron(name: str) -> None:
-    from megatron_offload import host_memory
+    from megatron_offload.core import host_memory
 
     if name == "pin-refused-megatron":
         host_memory._pin = refuse_pinning

@@ -32,7 +32,7 @@ from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serializa
 from megatron.core.utils import unwrap_model  # noqa: E402
 
 from megatron_offload import attach_offloader  # noqa: E402
-from megatron_offload.megatron_adapter import OffloadHandle, distributed_optimizers  # noqa: E402
+from megatron_offload.megatron.optimizer_adapter import OffloadHandle, distributed_optimizers  # noqa: E402
 from tests.gpu.harness import GPTShape, GPTTraining, build_gpt_training, init_distributed  # noqa: E402
 from tests.gpu.test_megatron_offload import assert_bitwise_equal, snapshot  # noqa: E402
 

@@ -17,8 +17,8 @@ psutil = pytest.importorskip("psutil", reason="the leak test reads the process's
 pytest.importorskip("megatron.core", reason="needs megatron-core installed (scripts/device_check.sh does it)")
 
 from megatron_offload import PrefetchPolicy, attach_offloader  # noqa: E402
-from megatron_offload.chunk_step import ChunkStepper  # noqa: E402
-from megatron_offload.megatron_adapter import distributed_optimizers  # noqa: E402
+from megatron_offload.megatron.optimizer_adapter import distributed_optimizers  # noqa: E402
+from megatron_offload.optimizer_state.chunk_step import ChunkStepper  # noqa: E402
 from tests.gpu.harness import GPTShape, GPTTraining, build_gpt_training, force_skipped_step, init_distributed  # noqa: E402
 
 STEPS = 20

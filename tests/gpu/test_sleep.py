@@ -22,8 +22,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("megatron.core", reason="needs megatron-core installed (scripts/device_check.sh does it)")
 
 from megatron_offload import SleepError, attach_offloader, sleep_wake_for  # noqa: E402
-from megatron_offload.gpu_memory import expandable_segments_from_now  # noqa: E402
-from megatron_offload.megatron_adapter import distributed_optimizers  # noqa: E402
+from megatron_offload.core.gpu_memory import expandable_segments_from_now  # noqa: E402
+from megatron_offload.megatron.optimizer_adapter import distributed_optimizers  # noqa: E402
 from tests.gpu.harness import GPTShape, GPTTraining, build_gpt_training, init_distributed, state_bytes  # noqa: E402
 
 # Big enough that every large tensor has device segments of its own (the caching allocator shares

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_offload.progress import pin_progress
-from megatron_offload.units import GIB, MIB
+from megatron_offload.core.progress import pin_progress
+from megatron_offload.core.units import GIB, MIB
 
 logger = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_offload.stats import OffloadStats
-from megatron_offload.units import GIB
+from megatron_offload.core.stats import OffloadStats
+from megatron_offload.core.units import GIB
 
 
 @dataclass(frozen=True)

@@ -35,20 +35,20 @@ from typing import Any, NoReturn
 
 import torch
 
-from megatron_offload.adam_resume import fix_torch_adam_checkpoints
-from megatron_offload.args import (
+from megatron_offload.config.files import NO_CUDA, add_switch_inverses, missing_training_message
+from megatron_offload.config.flags import (
     add_offload_args,
     check_offload_combinations,
     config_from_args,
     ignored_offload_flags,
     validate_offload_args,
 )
-from megatron_offload.gpu_memory import apply_memory_cap, use_expandable_segments_by_default
-from megatron_offload.host_memory import HostMemoryError, check_host_room
-from megatron_offload.launch_config import NO_CUDA, add_switch_inverses, missing_training_message
-from megatron_offload.megatron_adapter import OffloadHandle, attach_offloader
-from megatron_offload.megatron_sleep import install_rl_sleep_hooks
-from megatron_offload.report import MemoryReading, format_offload_fields
+from megatron_offload.core.gpu_memory import apply_memory_cap, use_expandable_segments_by_default
+from megatron_offload.core.host_memory import HostMemoryError, check_host_room
+from megatron_offload.megatron.adam_resume import fix_torch_adam_checkpoints
+from megatron_offload.megatron.optimizer_adapter import OffloadHandle, attach_offloader
+from megatron_offload.megatron.report import MemoryReading, format_offload_fields
+from megatron_offload.megatron.sleep_hooks import install_rl_sleep_hooks
 
 __all__ = ["MissingMegatronTraining", "attached_handles", "install_training_hooks"]
 

@@ -6,7 +6,7 @@ gives ``--no-NAME`` (``add_switch_inverses`` gives every switch that form), list
 other values ``--NAME=VALUE``, so that a value given to a switch is refused naming the switch. Unknown
 keys are not ignored: Megatron's parser rejects them as unrecognized arguments.
 
-``python -m megatron_offload.launch_config ARGS...`` checks a training command line before torchrun
+``python -m megatron_offload.config.files ARGS...`` checks a training command line before torchrun
 starts (``scripts/train.sh``): the config file, megatron.training, a CUDA GPU; one line and exit 2 if not.
 """
 

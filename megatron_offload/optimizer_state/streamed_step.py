@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_offload import plan as planning
-from megatron_offload.chunk_step import ChunkStepper
-from megatron_offload.plan import Chunk
-from megatron_offload.units import MIB
+from megatron_offload.core.units import MIB
+from megatron_offload.optimizer_state import plan as planning
+from megatron_offload.optimizer_state.chunk_step import ChunkStepper
+from megatron_offload.optimizer_state.plan import Chunk
 
 if TYPE_CHECKING:
-    from megatron_offload.engine import OptimizerStateOffloader
+    from megatron_offload.optimizer_state.offloader import OptimizerStateOffloader
 
 __all__ = ["READY_GROUP_BYTES", "STAGING_CHUNKS", "footprint", "run"]
 

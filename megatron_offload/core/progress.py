@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TextIO
 
-from megatron_offload.units import GIB
+from megatron_offload.core.units import GIB
 
 __all__ = ["pin_progress"]
 

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from megatron_offload.units import GIB
+from megatron_offload.core.units import GIB
 
 logger = logging.getLogger(__name__)
 

@@ -32,15 +32,15 @@ from typing import Any
 import torch
 from packaging.version import Version
 
-from megatron_offload import streamed_step
-from megatron_offload.chunk_step import ChunkStepper
-from megatron_offload.config import OffloadConfig, PrefetchPolicy
-from megatron_offload.engine import OptimizerStateOffloader
-from megatron_offload.gpu_memory import expandable_segments_from_now, memory_limit_bytes
-from megatron_offload.pacing import PrefetchDuringBackward, RoomForForward
-from megatron_offload.scheduler import Peaks, StateScheduler
-from megatron_offload.stats import OffloadStats
-from megatron_offload.units import GIB, MIB
+from megatron_offload.config.options import OffloadConfig, PrefetchPolicy
+from megatron_offload.core.gpu_memory import expandable_segments_from_now, memory_limit_bytes
+from megatron_offload.core.stats import OffloadStats
+from megatron_offload.core.units import GIB, MIB
+from megatron_offload.megatron.pacing import PrefetchDuringBackward, RoomForForward
+from megatron_offload.optimizer_state import streamed_step
+from megatron_offload.optimizer_state.chunk_step import ChunkStepper
+from megatron_offload.optimizer_state.offloader import OptimizerStateOffloader
+from megatron_offload.optimizer_state.scheduler import Peaks, StateScheduler
 
 logger = logging.getLogger(__name__)
 

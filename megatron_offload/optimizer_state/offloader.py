@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_offload import plan as planning
-from megatron_offload.host_memory import HostSlab, check_host_room
-from megatron_offload.plan import Chunk, Plan
-from megatron_offload.stats import OffloadStats, Timings
-from megatron_offload.streams import OFFLOAD, PREFETCH, Event, Streams, streams_for
-from megatron_offload.units import GIB, MIB
+from megatron_offload.core.host_memory import HostSlab, check_host_room
+from megatron_offload.core.stats import OffloadStats, Timings
+from megatron_offload.core.streams import OFFLOAD, PREFETCH, Event, Streams, streams_for
+from megatron_offload.core.units import GIB, MIB
+from megatron_offload.optimizer_state import plan as planning
+from megatron_offload.optimizer_state.plan import Chunk, Plan
 
 logger = logging.getLogger(__name__)
 

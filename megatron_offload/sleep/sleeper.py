@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_offload.engine import OptimizerStateOffloader
-from megatron_offload.host_memory import HOST_MEMORY_HEADROOM, available_host_bytes
-from megatron_offload.parked_buffers import DEFAULT_CHUNK_BYTES, ParkedBuffers, Transfer
-from megatron_offload.units import GIB
+from megatron_offload.core.host_memory import HOST_MEMORY_HEADROOM, available_host_bytes
+from megatron_offload.core.units import GIB
+from megatron_offload.optimizer_state.offloader import OptimizerStateOffloader
+from megatron_offload.sleep.parked_buffers import DEFAULT_CHUNK_BYTES, ParkedBuffers, Transfer
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "ParkedBuffers", "SleepError", "SleepReport", "Sleeper", "Transfer"]
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from megatron_offload.units import MIB
+from megatron_offload.core.units import MIB
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_offload.config import AUTO, OffloadConfig, PrefetchPolicy
+from megatron_offload.config.options import AUTO, OffloadConfig, PrefetchPolicy
 
 __all__ = [
     "add_offload_args",

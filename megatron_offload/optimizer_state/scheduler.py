@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megatron_offload.units import GIB, MIB
+from megatron_offload.core.units import GIB, MIB
 
 __all__ = ["Peaks", "StateScheduler"]
 

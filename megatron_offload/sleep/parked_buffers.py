@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_offload.host_memory import HostSlab
-from megatron_offload.units import MIB
+from megatron_offload.core.host_memory import HostSlab
+from megatron_offload.core.units import MIB
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "ParkedBuffers", "Transfer"]
 

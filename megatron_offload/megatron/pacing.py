@@ -16,8 +16,8 @@ from typing import Any, Protocol
 
 import torch
 
-from megatron_offload.scheduler import StateScheduler
-from megatron_offload.units import MIB
+from megatron_offload.core.units import MIB
+from megatron_offload.optimizer_state.scheduler import StateScheduler
 
 __all__ = ["PrefetchDuringBackward", "RoomForForward"]
 
