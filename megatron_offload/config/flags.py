@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_offload.config.options import AUTO, OffloadConfig, PrefetchPolicy
+from megatron_offload.config.weight_flags import add_weight_args, check_weight_flags
 
 __all__ = [
     "add_offload_args",
@@ -97,6 +98,7 @@ def add_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         default=DEFAULTS.check_host_memory,
         help="Check at start that host memory can hold every rank's offloaded state (default on).",
     )
+    add_weight_args(group)
     return parser
 
 
@@ -114,6 +116,7 @@ def check_offload_combinations(args: argparse.Namespace) -> None:
             f"--offload-gpu-memory-cap-gib must be a positive number of GiB (the GPU memory to imitate), got {cap}"
         )
     config_from_args(args)  # every offload value in range, with the messages the Python API gives
+    check_weight_flags(args)
     if not getattr(args, "offload_optimizer_states", False):
         return
     if getattr(args, "optimizer_cpu_offload", False):
@@ -169,6 +172,7 @@ def validate_offload_args(args: argparse.Namespace) -> None:
     """
     check_offload_combinations(args)
     _require_distributed_optimizer(args)  # again: Megatron's validation may have turned it off
+    check_weight_flags(args, derived=True)
 
 
 def ignored_offload_flags(args: argparse.Namespace) -> list[str]:
@@ -194,7 +198,9 @@ def ignored_offload_flags(args: argparse.Namespace) -> list[str]:
 def config_from_args(args: argparse.Namespace) -> OffloadConfig:
     """The OffloadConfig the flags describe (call ``validate_offload_args`` first)."""
     return OffloadConfig(
-        offload_master_weights=getattr(args, "offload_master_weights", DEFAULTS.offload_master_weights),
+        # Streamed weights build the fp32 masters in host memory already: nothing to move.
+        offload_master_weights=getattr(args, "offload_master_weights", DEFAULTS.offload_master_weights)
+        and not getattr(args, "offload_weights", False),
         prefetch=PrefetchPolicy(getattr(args, "offload_prefetch", DEFAULTS.prefetch)),
         chunk_mb=getattr(args, "offload_chunk_mb", DEFAULTS.chunk_mb),
         fraction=getattr(args, "offload_fraction", DEFAULTS.fraction),

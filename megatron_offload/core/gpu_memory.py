@@ -6,15 +6,23 @@ the next forward allocates, in 64 MiB pieces. With fixed-size segments, those pi
 blocks activations were in, and a later large request finds no single free block although enough
 memory is free in total (measured: "tried to allocate 512 MiB" with 8.9 GiB reserved but unallocated).
 Expandable segments map and unmap pages of one growing segment instead, so free memory is usable.
+
+Device-mapped host memory (``mapped_memory``, where streamed weights and gradients live) counts in
+PyTorch's allocated and reserved bytes and against the per-process fraction: the cap set here is GPU
+memory on top of it, the limit is in the allocator's own accounting (mapped bytes included, so that it
+compares with ``torch.cuda.memory_reserved()``), and ``gpu_only`` takes them out of a reading.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 
 import torch
 
+from megatron_offload.core.mapped_memory import mapped_bytes
 from megatron_offload.core.units import GIB
 
 logger = logging.getLogger(__name__)
@@ -22,7 +30,10 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "apply_memory_cap",
     "expandable_segments_from_now",
+    "gpu_only",
     "memory_limit_bytes",
+    "refresh_memory_cap",
+    "uncapped",
     "use_expandable_segments_by_default",
 ]
 
@@ -78,9 +89,42 @@ def apply_memory_cap(cap_gib: float, device: int) -> int:
             f"--offload-gpu-memory-cap-gib {cap_gib:g} must be above 0 and at most this GPU's "
             f"{total / GIB:.1f} GiB; give the memory of the GPU you want to imitate."
         )
-    torch.cuda.set_per_process_memory_fraction(cap / total, device)
     _cap_bytes[device] = cap
+    refresh_memory_cap(device)
     return cap
+
+
+def refresh_memory_cap(device: int) -> None:
+    """Set the allocator's fraction to the cap plus the device-mapped host memory held now (PyTorch
+    counts that against the fraction although it takes no GPU memory). No-op without a cap."""
+    if device not in _cap_bytes:
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    allowed = _cap_bytes[device] + mapped_bytes()
+    if allowed > total:
+        raise ValueError(
+            f"--offload-gpu-memory-cap-gib {_cap_bytes[device] / GIB:g} plus the {mapped_bytes() / GIB:.1f} GiB of "
+            f"host memory the streamed weights use (PyTorch counts it as GPU memory) pass this GPU's "
+            f"{total / GIB:.1f} GiB, which PyTorch's cap cannot express; give a smaller cap."
+        )
+    torch.cuda.set_per_process_memory_fraction(allowed / total, device)
+
+
+@contextlib.contextmanager
+def uncapped(device: int) -> Iterator[None]:
+    """Lift the cap while building into device-mapped host memory (those bytes would count against it),
+    then set it again on top of what was built. Only host-memory allocations may happen inside."""
+    if device in _cap_bytes:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+    try:
+        yield
+    finally:
+        refresh_memory_cap(device)
+
+
+def gpu_only(nbytes: int) -> int:
+    """A reading of PyTorch's allocated or reserved bytes less the device-mapped host memory in it."""
+    return max(0, nbytes - mapped_bytes())
 
 
 def memory_limit_bytes(device: torch.device | int) -> int:
@@ -89,7 +133,7 @@ def memory_limit_bytes(device: torch.device | int) -> int:
     index = device if isinstance(device, int) else device.index
     index = torch.cuda.current_device() if index is None else index
     if index in _cap_bytes:
-        return _cap_bytes[index]
+        return _cap_bytes[index] + mapped_bytes()  # in the allocator's accounting, mapped host bytes included
     read_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # newer torch only
     fraction = read_fraction(index) if read_fraction is not None else 1.0
     if fraction < 1.0:

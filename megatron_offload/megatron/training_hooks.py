@@ -43,12 +43,13 @@ from megatron_offload.config.flags import (
     ignored_offload_flags,
     validate_offload_args,
 )
-from megatron_offload.core.gpu_memory import apply_memory_cap, use_expandable_segments_by_default
+from megatron_offload.core.gpu_memory import apply_memory_cap, gpu_only, use_expandable_segments_by_default
 from megatron_offload.core.host_memory import HostMemoryError, check_host_room
 from megatron_offload.megatron.adam_resume import fix_torch_adam_checkpoints
 from megatron_offload.megatron.optimizer_adapter import OffloadHandle, attach_offloader
 from megatron_offload.megatron.report import MemoryReading, format_offload_fields
 from megatron_offload.megatron.sleep_hooks import install_rl_sleep_hooks
+from megatron_offload.megatron.weights_training import install_weight_hooks, weight_bytes_per_param, weight_log_fields
 
 __all__ = ["MissingMegatronTraining", "attached_handles", "install_training_hooks"]
 
@@ -98,6 +99,16 @@ def state_bytes_per_rank(args: argparse.Namespace) -> int | None:
     except Exception:  # an estimate: a model it cannot count is checked exactly at attach instead
         return None
     return int(params * (12 if getattr(args, "offload_master_weights", True) else 8) / data_parallel)
+
+
+def host_bytes_per_rank(args: argparse.Namespace) -> int | None:
+    """Host bytes this rank will pin: the optimizer state, or with --offload-weights everything of the
+    model (``weight_bytes_per_param`` per parameter)."""
+    state = state_bytes_per_rank(args)
+    if state is None or not getattr(args, "offload_weights", False):
+        return state
+    per_param_state = 12 if getattr(args, "offload_master_weights", True) else 8
+    return state // per_param_state * weight_bytes_per_param()
 
 
 def _refuse_bad_flags(check: Callable[[argparse.Namespace], None], args: argparse.Namespace) -> None:
@@ -168,7 +179,7 @@ def install_training_hooks() -> None:
             verb = "has" if len(ignored) == 1 else "have"
             _print_once(f"megatron-offload: {', '.join(ignored)} {verb} no effect without --offload-optimizer-states")
         if getattr(args, "offload_optimizer_states", False) and getattr(args, "offload_host_memory_check", True):
-            needed = state_bytes_per_rank(args)
+            needed = host_bytes_per_rank(args)
             if needed:  # before the model is built: a node that cannot hold the state stops here, in one line
                 try:
                     check_host_room(needed)
@@ -182,6 +193,7 @@ def install_training_hooks() -> None:
             )
         return result
 
+    install_weight_hooks(training, lambda: global_vars.get_args())  # before the optimizer getter is captured below
     get_megatron_optimizer = training.get_megatron_optimizer
 
     def get_megatron_optimizer_and_attach(*args: Any, **kwargs: Any) -> Any:
@@ -204,13 +216,14 @@ def install_training_hooks() -> None:
             for handle in _handles:
                 current = handle.read_stats()
                 before = previous_stats.get(id(handle), type(current)())
-                memory = MemoryReading(
-                    torch.cuda.memory_allocated(),
-                    torch.cuda.memory_reserved(),
-                    current.peak_allocated_bytes,
-                    current.peak_reserved_bytes,
+                memory = MemoryReading(  # GPU memory only: host-mapped weights are not counted
+                    gpu_only(torch.cuda.memory_allocated()),
+                    gpu_only(torch.cuda.memory_reserved()),
+                    gpu_only(current.peak_allocated_bytes),
+                    gpu_only(current.peak_reserved_bytes),
                 )
                 message += format_offload_fields(current, before, memory)
+                message += weight_log_fields(current.offloads - before.offloads)
                 previous_stats[id(handle)] = dataclasses.replace(current)
         print_rank_last(message)
 

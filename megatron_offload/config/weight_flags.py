@@ -1,0 +1,101 @@
+"""The weight-streaming flag and the combinations it supports, checked before anything is built.
+
+Weight streaming brings each transformer layer's weights to the GPU around its uses and sends its
+gradients back after its backward. That is correct only where each layer's weights are needed once in
+the forward and once in its backward (full recompute of one layer at a time), where gradients reach
+``main_grad`` through megatron-core's DDP hook (no fused accumulation inside the GEMM), and where no
+collective or graph reads the buffers behind the streaming's back. Everything else is refused here in
+one line naming the flag and what to do.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+__all__ = ["add_weight_args", "check_weight_flags"]
+
+FLAG = "--offload-weights"
+
+
+def add_weight_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        FLAG,
+        action="store_true",
+        help="Keep every transformer layer's weights and gradients in host memory and stream them through "
+        "a few GPU slots, layer by layer (with --offload-optimizer-states, one GPU, and --recompute-granularity "
+        "full --recompute-method uniform --recompute-num-layers 1): trains models whose weights, gradients "
+        "and optimizer state do not fit the GPU. The embedding and output layer stay on the GPU.",
+    )
+
+
+def _is(value: object) -> Callable[[argparse.Namespace, str], bool]:
+    return lambda args, name: getattr(args, name, None) not in (None, value)
+
+
+def _over_one(args: argparse.Namespace, name: str) -> bool:
+    return (getattr(args, name, 1) or 1) > 1
+
+
+def _on(args: argparse.Namespace, name: str) -> bool:
+    return bool(getattr(args, name, False))
+
+
+def _set(args: argparse.Namespace, name: str) -> bool:
+    return getattr(args, name, None) not in (None, False, "none")
+
+
+# (argument name, is it unsupported?, what to tell the user)
+_AS_GIVEN: list[tuple[str, Callable[[argparse.Namespace, str], bool], str]] = [
+    ("tensor_model_parallel_size", _over_one, "streams on one GPU only for now; set it to 1"),
+    ("pipeline_model_parallel_size", _over_one, "streams on one GPU only for now; set it to 1"),
+    ("context_parallel_size", _over_one, "streams on one GPU only for now; set it to 1"),
+    ("expert_model_parallel_size", _over_one, "streams on one GPU only for now; set it to 1"),
+    ("num_experts", _set, "does not stream MoE expert weights yet; drop it"),
+    ("recompute_granularity", _is("full"), "needs --recompute-granularity full"),
+    ("recompute_method", _is("uniform"), "needs --recompute-method uniform"),
+    ("recompute_num_layers", _is(1), "needs --recompute-num-layers 1 (one layer's weights on the GPU at a time)"),
+    ("overlap_grad_reduce", _on, "cannot overlap the gradient reduce with backward: drop it"),
+    ("overlap_param_gather", _on, "cannot overlap the parameter gather: drop it"),
+    ("fp16", _on, "supports --bf16 (or fp32) training only: use --bf16"),
+    ("fp8", _set, "does not support fp8 yet: drop it"),
+    ("fp4", _set, "does not support fp4 yet: drop it"),
+    ("enable_cuda_graph", _on, "cannot run under CUDA graphs (they bypass the layers' hooks): drop it"),
+    ("external_cuda_graph", _on, "cannot run under CUDA graphs (they bypass the layers' hooks): drop it"),
+    ("cuda_graph_impl", _is("none"), "cannot run under CUDA graphs (they bypass the layers' hooks): use none"),
+    ("cpu_offloading", _on, "and activation offloading (--cpu-offloading) cannot be combined: drop it"),
+    ("num_layers_per_virtual_pipeline_stage", _set, "streams on one GPU only for now: drop it"),
+    ("init_model_with_meta_device", _on, "builds the model in host memory itself: drop it"),
+]
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_weight_flags(args: argparse.Namespace, derived: bool = False) -> None:
+    """Raise ValueError, one line naming the flag and what to do, for a combination weight streaming does
+    not support. ``derived``: also the values Megatron's validation derives (data-parallel size, whether
+    gradient-accumulation fusion stayed on), after that validation."""
+    if not getattr(args, "offload_weights", False):
+        return
+    if not getattr(args, "offload_optimizer_states", False):
+        raise ValueError(
+            f"{FLAG} needs --offload-optimizer-states (the optimizer state of a model too large for the GPU "
+            "must leave it too): add --offload-optimizer-states"
+        )
+    for name, unsupported, advice in _AS_GIVEN:
+        if unsupported(args, name):
+            raise ValueError(f"{FLAG} {advice} (got {_flag(name)} {getattr(args, name)})")
+    if not derived:
+        return
+    if (getattr(args, "data_parallel_size", 1) or 1) > 1 or (getattr(args, "world_size", 1) or 1) > 1:
+        raise ValueError(
+            f"{FLAG} streams on one GPU only for now (got {getattr(args, 'world_size', '?')} ranks): run one "
+            "process (--nproc-per-node 1); docs/weight-streaming.md says how data parallelism will work"
+        )
+    if getattr(args, "gradient_accumulation_fusion", False):
+        raise ValueError(
+            f"{FLAG} needs gradients accumulated by megatron-core's DDP hook, not inside the GEMM: add "
+            "--no-gradient-accumulation-fusion"
+        )
