@@ -174,6 +174,7 @@ def build_gpt_training(
     loss_scale: float | None = None,
     bucket_size: int | None = None,
     optimizer_overrides: dict[str, Any] | None = None,
+    recompute: bool = False,
 ) -> GPTTraining:
     """Build a bf16 GPTModel (local spec) in DDP with the distributed optimizer, as Megatron-LM does.
 
@@ -204,6 +205,7 @@ def build_gpt_training(
         attention_dropout=0.0,
         masked_softmax_fusion=False,  # fused softmax kernels come from apex
         gradient_accumulation_fusion=False,  # needs apex's fused_weight_gradient_mlp_cuda
+        **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}),
     )
     gpt = GPTModel(
         config=config,

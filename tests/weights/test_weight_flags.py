@@ -1,0 +1,74 @@
+"""--offload-weights: the combinations it refuses, each in one line naming the flag and what to do."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from megatron_offload import add_offload_args, validate_offload_args
+from megatron_offload.config.flags import check_offload_combinations, config_from_args
+
+SUPPORTED = [
+    "--offload-optimizer-states",
+    "--offload-weights",
+    "--use-distributed-optimizer",
+]
+RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
+def parse(*argv: str, **megatron: object) -> argparse.Namespace:
+    args = add_offload_args(argparse.ArgumentParser()).parse_args(list(argv))
+    for name, value in {**RECOMPUTE, "optimizer": "adam", **megatron}.items():
+        setattr(args, name, value)
+    return args
+
+
+def test_supported_combination_passes_and_keeps_masters_in_place() -> None:
+    args = parse(*SUPPORTED, use_distributed_optimizer=True, data_parallel_size=1, world_size=1)
+    validate_offload_args(args)
+    # the masters are built in host memory already: the state offloader must not move them again
+    assert config_from_args(args).offload_master_weights is False
+
+
+def test_forgetting_the_state_flag_is_named() -> None:
+    with pytest.raises(ValueError, match=r"--offload-weights needs --offload-optimizer-states"):
+        check_offload_combinations(parse("--offload-weights", use_distributed_optimizer=True))
+
+
+@pytest.mark.parametrize(
+    ("megatron", "named"),
+    [
+        ({"tensor_model_parallel_size": 2}, "--tensor-model-parallel-size 2"),
+        ({"pipeline_model_parallel_size": 2}, "--pipeline-model-parallel-size 2"),
+        ({"recompute_granularity": "selective"}, "--recompute-granularity selective"),
+        ({"recompute_method": "block"}, "--recompute-method block"),
+        ({"recompute_num_layers": 2}, "--recompute-num-layers 2"),
+        ({"recompute_granularity": None}, "--recompute-granularity None"),
+        ({"num_experts": 8}, "--num-experts 8"),
+        ({"overlap_grad_reduce": True}, "--overlap-grad-reduce True"),
+        ({"fp16": True}, "--fp16 True"),
+        ({"fp8": "hybrid"}, "--fp8 hybrid"),
+        ({"cuda_graph_impl": "local"}, "--cuda-graph-impl local"),
+    ],
+)
+def test_unsupported_combinations_are_refused_before_anything_is_built(megatron: dict, named: str) -> None:
+    args = parse(*SUPPORTED, use_distributed_optimizer=True, **megatron)
+    with pytest.raises(ValueError) as error:
+        check_offload_combinations(args)
+    message = str(error.value)
+    assert "--offload-weights" in message and named in message and "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("derived", "named"),
+    [
+        ({"data_parallel_size": 2, "world_size": 2}, "--nproc-per-node 1"),
+        ({"gradient_accumulation_fusion": True}, "--no-gradient-accumulation-fusion"),
+    ],
+)
+def test_values_megatron_derives_are_checked_after_its_validation(derived: dict, named: str) -> None:
+    args = parse(*SUPPORTED, use_distributed_optimizer=True, **derived)
+    check_offload_combinations(args)  # as given, nothing is wrong yet
+    with pytest.raises(ValueError, match=named):
+        validate_offload_args(args)
