@@ -33,6 +33,10 @@ def _is(value: object) -> Callable[[argparse.Namespace, str], bool]:
     return lambda args, name: getattr(args, name, None) not in (None, value)
 
 
+def _not(value: object) -> Callable[[argparse.Namespace, str], bool]:
+    return lambda args, name: getattr(args, name, None) != value
+
+
 def _over_one(args: argparse.Namespace, name: str) -> bool:
     return (getattr(args, name, 1) or 1) > 1
 
@@ -52,9 +56,9 @@ _AS_GIVEN: list[tuple[str, Callable[[argparse.Namespace, str], bool], str]] = [
     ("context_parallel_size", _over_one, "streams on one GPU only for now; set it to 1"),
     ("expert_model_parallel_size", _over_one, "streams on one GPU only for now; set it to 1"),
     ("num_experts", _set, "does not stream MoE expert weights yet; drop it"),
-    ("recompute_granularity", _is("full"), "needs --recompute-granularity full"),
-    ("recompute_method", _is("uniform"), "needs --recompute-method uniform"),
-    ("recompute_num_layers", _is(1), "needs --recompute-num-layers 1 (one layer's weights on the GPU at a time)"),
+    ("recompute_granularity", _not("full"), "needs --recompute-granularity full"),
+    ("recompute_method", _not("uniform"), "needs --recompute-method uniform"),
+    ("recompute_num_layers", _not(1), "needs --recompute-num-layers 1 (one layer's weights on the GPU at a time)"),
     ("overlap_grad_reduce", _on, "cannot overlap the gradient reduce with backward: drop it"),
     ("overlap_param_gather", _on, "cannot overlap the parameter gather: drop it"),
     ("fp16", _on, "supports --bf16 (or fp32) training only: use --bf16"),

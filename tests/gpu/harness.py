@@ -205,7 +205,11 @@ def build_gpt_training(
         attention_dropout=0.0,
         masked_softmax_fusion=False,  # fused softmax kernels come from apex
         gradient_accumulation_fusion=False,  # needs apex's fused_weight_gradient_mlp_cuda
-        **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if recompute else {}),
+        **(
+            {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+            if recompute
+            else {}
+        ),
     )
     gpt = GPTModel(
         config=config,

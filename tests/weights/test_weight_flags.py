@@ -12,7 +12,6 @@ from megatron_offload.config.flags import check_offload_combinations, config_fro
 SUPPORTED = [
     "--offload-optimizer-states",
     "--offload-weights",
-    "--use-distributed-optimizer",
 ]
 RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 
