@@ -13,7 +13,7 @@ SUPPORTED = [
     "--offload-optimizer-states",
     "--offload-weights",
 ]
-RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
 
 def parse(*argv: str, **megatron: object) -> argparse.Namespace:
