@@ -136,6 +136,7 @@ def attach_weight_streamer(model_chunks: list[Any], weight_slots: int = 3, grad_
         streamed.update(params)
         units.append(_unit(f"layer {layer.layer_number}", index, params, where))
     rest = [p for p in where if p not in streamed]
+    rest_ids = {id(p) for p in rest}
     resident = _unit("embedding and output", -1, rest, where, resident=True) if rest else None
     device = next(iter(where)).device
     streamer = WeightStreamer(units, resident, streams_for(device), weight_slots=weight_slots, grad_slots=grad_slots)
@@ -154,7 +155,7 @@ def attach_weight_streamer(model_chunks: list[Any], weight_slots: int = 3, grad_
 
         handle.hooks.append(layer.register_forward_pre_hook(before, with_kwargs=True))
         handle.hooks.append(layer.register_forward_hook(after))
-    owners = [m for m in chunk.modules() if any(p in rest for p in m.parameters(recurse=False))]
+    owners = [m for m in chunk.modules() if any(id(p) in rest_ids for p in m.parameters(recurse=False))]
     owners += [m for m in chunk.modules() if isinstance(m, _embedding_type())]
     for module in owners:
         handle.hooks.append(module.register_forward_pre_hook(lambda *_: streamer.lend_resident()))

@@ -3,17 +3,20 @@ are built in device-mapped host memory, and the streamer is attached to the mode
 
 ``install_weight_hooks(training, get_args)`` replaces two names in ``megatron.training.training`` (no
 source changed), each calling the original:
-- ``get_model``: with ``--offload-weights``, the model, its DDP buffers and everything else built there
-  go to host memory (``MappedPool``), the GPU memory cap lifted meanwhile and then set again on top of
-  them, so a model larger than the GPU never passes through a full-size GPU allocation; module buffers
-  (rotary frequencies) then come to the GPU, the streamer is attached, and peak statistics start over;
-- ``get_megatron_optimizer``: the fp32 master weights are built in host memory the same way (the
-  optimizer-state offloader then leaves them where they are).
+- ``setup_model_and_optimizer``: with ``--offload-weights``, everything it builds goes to host memory
+  (``MappedPool``) until the optimizer exists: the model, DDP's weight and gradient buffers and the fp32
+  master weights, whichever way Megatron builds the model (``get_model`` or a config container's
+  builder). The GPU memory cap is lifted meanwhile and set again on top of what was built, so a model
+  larger than the GPU never passes through a full-size GPU allocation;
+- ``get_megatron_optimizer``: once the original has built the optimizer, the host-memory build ends,
+  module buffers (rotary frequencies) come to the GPU, the streamer is attached and peak statistics
+  start over; then (in ``training_hooks``) the optimizer-state offloader is attached in GPU memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +32,7 @@ from megatron_offload.weights.stats import WeightStats
 __all__ = ["install_weight_hooks", "weight_bytes_per_param", "weight_handles", "weight_log_fields"]
 
 _pool: MappedPool | None = None
+_building: contextlib.ExitStack | None = None  # open while setup builds into host memory
 _handles: list[WeightHandle] = []
 _previous: dict[int, WeightStats] = {}
 
@@ -51,51 +55,62 @@ def _say(message: str) -> None:
         print(message, flush=True)
 
 
-def _pooled(function: Callable[..., Any]) -> Callable[..., Any]:
-    """Run ``function`` with CUDA allocations going to device-mapped host memory and the cap lifted."""
+def _begin_building() -> None:
+    global _pool, _building
+    if _pool is None:
+        _pool = MappedPool()
+    _building = contextlib.ExitStack()
+    _building.enter_context(uncapped(torch.cuda.current_device()))
+    _building.enter_context(_pool.allocating())
 
-    def run(*args: Any, **kwargs: Any) -> Any:
-        global _pool
-        if _pool is None:
-            _pool = MappedPool()
-        with uncapped(torch.cuda.current_device()), _pool.allocating():
-            return function(*args, **kwargs)
 
-    return run
+def _end_building() -> None:
+    """Allocations are GPU memory again; the cap is set again on top of the host memory built."""
+    global _building
+    if _building is not None:
+        building, _building = _building, None
+        building.close()
+
+
+def _stream(model: list[Any]) -> None:
+    moved = move_buffers_to_gpu(model)
+    handle = attach_weight_streamer(model)
+    _handles.append(handle)
+    torch.cuda.reset_peak_memory_stats()  # the build's host-memory growth is not a GPU peak
+    streamer = handle.streamer
+    _say(
+        f"megatron-offload: weights streamed: {len(streamer.layers)} layers through {len(streamer.weights.slots)} "
+        f"weight and {len(streamer.grads.slots)} gradient slots; GPU memory for the slots and the embedding and "
+        f"output layer {streamer.stats.gpu_bytes / GIB:.2f} GiB; {mapped_bytes() / GIB:.2f} GiB of weights, "
+        f"gradients and master weights in host memory ({moved} bytes of module buffers moved to the GPU)"
+    )
 
 
 def install_weight_hooks(training: Any, get_args: Callable[[], argparse.Namespace]) -> None:
-    """Wrap ``training.get_model`` and ``training.get_megatron_optimizer`` (see the module docstring)."""
-    get_model = getattr(training, "get_model", None)
+    """Wrap ``training.setup_model_and_optimizer`` and ``training.get_megatron_optimizer`` (see above)."""
+    setup = getattr(training, "setup_model_and_optimizer", None)
     get_megatron_optimizer = training.get_megatron_optimizer
 
-    def get_model_in_host_memory(*args: Any, **kwargs: Any) -> Any:
-        wrap_with_ddp = kwargs.get("wrap_with_ddp", args[2] if len(args) > 2 else True)
-        if not getattr(get_args(), "offload_weights", False) or not wrap_with_ddp:
-            return get_model(*args, **kwargs)
-        model = _pooled(get_model)(*args, **kwargs)
-        moved = move_buffers_to_gpu(model)
-        handle = attach_weight_streamer(model)
-        _handles.append(handle)
-        torch.cuda.reset_peak_memory_stats()  # the build's host-memory growth is not a GPU peak
-        streamer = handle.streamer
-        _say(
-            f"megatron-offload: weights streamed: {len(streamer.layers)} layers through "
-            f"{len(streamer.weights.slots)} weight and {len(streamer.grads.slots)} gradient slots; GPU memory for "
-            f"slots and the embedding/output layer {streamer.stats.gpu_bytes / GIB:.2f} GiB; "
-            f"{mapped_bytes() / GIB:.2f} GiB of weights and gradients in host memory ({moved} bytes of buffers moved "
-            "to the GPU)"
-        )
-        return model
-
-    def get_megatron_optimizer_in_host_memory(*args: Any, **kwargs: Any) -> Any:
+    def setup_in_host_memory(*args: Any, **kwargs: Any) -> Any:
         if not getattr(get_args(), "offload_weights", False):
-            return get_megatron_optimizer(*args, **kwargs)
-        return _pooled(get_megatron_optimizer)(*args, **kwargs)
+            return setup(*args, **kwargs)
+        _begin_building()
+        try:
+            return setup(*args, **kwargs)
+        finally:
+            _end_building()  # also where no optimizer was built, or the build failed
 
-    if get_model is not None:  # every megatron.training that builds models has it
-        training.get_model = get_model_in_host_memory
-    training.get_megatron_optimizer = get_megatron_optimizer_in_host_memory
+    def get_megatron_optimizer_then_stream(config: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+        if _building is None:
+            return get_megatron_optimizer(config, model, *args, **kwargs)
+        optimizer = get_megatron_optimizer(config, model, *args, **kwargs)  # masters in host memory
+        _end_building()
+        _stream(model if isinstance(model, list) else [model])
+        return optimizer
+
+    if setup is not None:  # every megatron.training that builds models has it
+        training.setup_model_and_optimizer = setup_in_host_memory
+    training.get_megatron_optimizer = get_megatron_optimizer_then_stream
 
 
 def weight_log_fields(steps: int = 1) -> str:
