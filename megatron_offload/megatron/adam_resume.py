@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from megatron_offload.megatron.optimizer_adapter import distributed_optimizers
+from megatron_offload.megatron.optimizer_internals import distributed_optimizers
 
 __all__ = ["fix_torch_adam_checkpoints"]
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from megatron_offload.core.gpu_memory import expandable_segments_from_now
-from megatron_offload.megatron.optimizer_adapter import _HANDLE_ATTR, _master_weights, distributed_optimizers
+from megatron_offload.megatron.optimizer_internals import _HANDLE_ATTR, _master_weights, distributed_optimizers
 from megatron_offload.optimizer_state.offloader import OptimizerStateOffloader
 from megatron_offload.sleep.sleeper import DEFAULT_CHUNK_BYTES, Sleeper, SleepError, SleepReport
 

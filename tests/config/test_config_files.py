@@ -19,7 +19,7 @@ from megatron_offload.config.files import (
     preflight,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def megatron_like_parser() -> argparse.ArgumentParser:

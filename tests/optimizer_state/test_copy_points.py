@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from megatron_offload import OffloadCopyError, OptimizerStateOffloader
+from megatron_offload.core.copies import IN_FLIGHT
 from megatron_offload.core.streams import HostStreams
-from megatron_offload.optimizer_state.offloader import IN_FLIGHT
 
 
 class Gate:

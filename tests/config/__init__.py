@@ -1,0 +1,1 @@
+"""CPU tests of config/: options, flags, --config files."""

@@ -1,0 +1,1 @@
+"""CPU tests of core/: copies, streams, host memory, progress."""

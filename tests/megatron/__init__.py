@@ -1,0 +1,1 @@
+"""CPU tests of megatron/: the adapter, pacing hooks, training hooks, sleep hooks."""

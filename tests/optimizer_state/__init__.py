@@ -1,0 +1,1 @@
+"""CPU tests of optimizer_state/: plan, offloader, chunked and streamed step, scheduler."""

@@ -1,0 +1,1 @@
+"""CPU tests of sleep/: sleep and wake without Megatron."""
