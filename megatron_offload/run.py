@@ -1,7 +1,7 @@
 """Run an unmodified Megatron-LM training script with optimizer-state offloading available:
 
-    python -m megatron_offload.run pretrain_gpt.py [--config configs/tiny.yaml] ARGS... --offload-optimizer-states
-    torchrun --nproc-per-node 2 -m megatron_offload.run pretrain_gpt.py ...
+    torchrun --standalone --nproc-per-node 1 -m megatron_offload.run pretrain_gpt.py [--config FILE.yaml] ARGS...
+    torchrun --standalone --nproc-per-node 2 -m megatron_offload.run pretrain_gpt.py ... --offload-optimizer-states
 
 The offload flags join Megatron's parser, are validated with Megatron's other arguments, and the
 offloader is attached to the optimizer Megatron builds. Without --offload-optimizer-states the script
