@@ -289,6 +289,13 @@ def train(iterations: int, engine: StandInEngine | None, offload_states: bool) -
     return losses, state, engine_got_it
 
 
+NO_GPU = (
+    "rl_sleep_wake.py: no CUDA GPU found: this example trains on one and hands its memory to another process. "
+    "Without one, the sleep and wake tests check these calls on the CPU: bash scripts/test.sh (all tests), "
+    "or python -m pytest tests -k sleep in its .venv; docs/sleep-wake.md walks through the calls"
+)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iterations", type=int, default=6)
@@ -307,7 +314,7 @@ def main() -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+        print(NO_GPU, file=sys.stderr)
         return 2
     engine = StandInEngine()  # started at setup, like a co-located inference engine
     try:

@@ -148,7 +148,7 @@ def run_one(name: str, command: list[str], args: argparse.Namespace, progress: R
         log.write("$ " + " ".join(command) + "\n")
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **options)
 
-        def kill(reason: str) -> None:  # torchrun and its ranks share the session started above
+        def kill(reason: str) -> None:  # torchrun and its ranks share the process group started above
             if process.poll() is None:
                 log.write(f"\n[compare_memory] {reason}: killing the run\n")
                 with contextlib.suppress(ProcessLookupError):

@@ -14,17 +14,16 @@ of the first two: its training_log keeps its sums after a run's first iteration)
 both final checkpoints (parameters and Adam state, converted with ``dcp_to_torch_save``) is bitwise equal.
 The uninterrupted run is made once per invocation, beside the first entry's killed run.
 
-Why a bounded runner. The first GPU try of these entries (issue 23) never came back from its killed
-run: megatron-core 0.19's torch_dist save starts a ``multiprocessing`` Manager process (spawned, for
-its write results) and its resource tracker (the H100 run also left torch inductor's compile worker); a
-process killed with SIGKILL runs no finalizer, so they outlive it, holding the stdout pipe that
-``subprocess.run(capture_output=True)`` read to its end, and torchrun starts its workers in a session of
-their own, so nothing that signals torchrun's group reaches them. Here every run writes its log straight
-to a file (a leftover process cannot hold the drill), has a time bound, and carries a token in its
-environment by which every process it started is found and killed: at the bound (the whole process group
-and every process with the token, whatever session it moved to), and after it ended (what it left
-behind, reported). A run stopped at a bound ends its entry with a verdict naming the run, its phase and
-its last log lines.
+Why a bounded runner. An unbounded runner never comes back from a killed run: megatron-core 0.19's
+torch_dist save starts a ``multiprocessing`` Manager process (spawned, for its write results) and its
+resource tracker (on an H100, torch inductor's compile worker too); a process killed with SIGKILL runs
+no finalizer, so they outlive it, holding the stdout pipe that ``subprocess.run(capture_output=True)``
+read to its end, and torchrun starts its workers in a process group of their own (setsid), so nothing
+that signals torchrun's group reaches them. Here every run writes its log straight to a file (a leftover
+process cannot hold the drill), has a time bound, and carries a token in its environment by which every
+process it started is found and killed: at the bound (the whole process group and every process with the
+token, whatever process group it moved to), and after it ended (what it left behind, reported). A run
+stopped at a bound ends its entry with a verdict naming the run, its phase and its last log lines.
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ CRASH_MARKER = "megatron-offload crash drill: SIGKILL"
 NEVER_REACHED = "never reached the"  # crash_driver.py's line when training ended before the kill point
 TRAIN_ITERS, SAVE_INTERVAL = 20, 5
 KILL_AT = {"after-step": 13, "backward": 13, "checkpoint": 15}  # the iteration of each kill
-ENTRY_BUDGET_S = 180.0  # issue 23: each entry in under 3 minutes on one H100
+ENTRY_BUDGET_S = 180.0  # each entry in under 3 minutes on one H100
 ARGS = [
     *("--config", "configs/tiny.yaml", "--train-iters", str(TRAIN_ITERS), "--log-memory-interval", str(TRAIN_ITERS)),
     *("--offload-optimizer-states", "--ckpt-format", "torch_dist", "--save-interval", str(SAVE_INTERVAL)),
@@ -97,7 +96,7 @@ def kill_live_runs() -> None:
 
 def exit_on_sigterm() -> None:
     """Make SIGTERM (``timeout``, a scheduler) end the drill with its runs killed: by default Python dies at
-    once and leaves the runs under way (each in a session of its own) behind."""
+    once and leaves the runs under way (each in a process group of its own) behind."""
 
     def stop(signum: int, frame: Any) -> None:
         kill_live_runs()

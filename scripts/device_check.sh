@@ -6,7 +6,7 @@
 #   env:   PARTS="tests probe bench side trace integration" (default: all of them)
 #            tests        the whole test suite, GPU tests included (every version given)
 #            probe        benchmarks/copy_order_probe.py: a read right after a step that offloads 8.4 GB
-#            bench        benchmarks/offload_bandwidth.py on issue 9's GPT, uncapped and under a cap
+#            bench        benchmarks/offload_bandwidth.py on the 0.95B GPT (configs/gpt_0p9b.yaml), uncapped and under a cap
 #            side         benchmarks/megatron_side_by_side.py: Megatron-LM's own pretrain_gpt.py
 #                         ($MEGATRON_LM, default .megatron-lm) through our launcher, at --log-interval 1
 #                         and 5, uncapped and under caps ($SIDE_ARGS narrows it); with upstream's rows
@@ -19,12 +19,17 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 results=${RESULTS:-device-results}
-rm -rf "$results" && mkdir -p "$results"
 parts=${PARTS:-tests probe bench side trace integration}
 upstream=${UPSTREAM_MEGATRON_LM-$( [ -d .megatron-lm-dev ] && echo .megatron-lm-dev )}
 versions=("$@")
+# Check first, delete later: a run that cannot start leaves the previous results where they are.
 [ ${#versions[@]} -gt 0 ] || versions=($(ls -d .whl/mcore-* 2>/dev/null | sed 's|.whl/mcore-||' | sort -V | tail -n 1))
-[ ${#versions[@]} -gt 0 ] || { echo "no megatron-core wheels under .whl/: run bash scripts/fetch_wheels.sh"; exit 2; }
+[ ${#versions[@]} -gt 0 ] || { echo "no megatron-core wheels under .whl/: run bash scripts/fetch_wheels.sh ($results/ left as it was)"; exit 2; }
+for v in "${versions[@]}"; do
+  compgen -G ".whl/mcore-$v/*.whl" >/dev/null \
+    || { echo "no megatron-core $v wheel under .whl/mcore-$v/: run bash scripts/fetch_wheels.sh $v ($results/ left as it was)"; exit 2; }
+done
+rm -rf "$results" && mkdir -p "$results"
 # The device machine's copy of the tree has no .git: pass the commit in, e.g. MEGATRON_OFFLOAD_COMMIT=$(git rev-parse --short HEAD)
 export MEGATRON_OFFLOAD_COMMIT=${MEGATRON_OFFLOAD_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -51,7 +56,7 @@ if wants probe; then
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if wants bench; then
-  echo "=== library benchmark, issue 9's GPT, uncapped and capped"
+  echo "=== library benchmark, the 0.95B GPT, uncapped and capped"
   python3 benchmarks/offload_bandwidth.py --shapes pretraining-0.9b --steps "${BENCH_STEPS:-6}" \
     --variants finalize "step (streamed)" --cap --json "$results/bench-${versions[-1]}.json" >"$results/bench.log" 2>&1 \
     || { status=1; tail -n 30 "$results/bench.log"; }
@@ -78,7 +83,7 @@ if wants integration; then
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 python3 benchmarks/summarize.py "$results" | tee "$results/summary.txt"
-if [ -n "${OUT:-}" ]; then  # traces (3-4 MB each for issue 9's GPT) apart, only where they fit what comes back
+if [ -n "${OUT:-}" ]; then  # traces (3-4 MB each for the 0.95B GPT) apart, only where they fit what comes back
   tar czf "$OUT/results.tgz" --exclude=torch_profile --exclude=tensorboard "$results" && cp "$results/summary.txt" "$OUT/"
   traces=$(find "$results" -path '*torch_profile*' -type f)
   if [ -n "$traces" ]; then

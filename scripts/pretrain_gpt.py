@@ -6,8 +6,9 @@ Megatron builds the model (GPTModelBuilder), the optimizer and the data loaders 
 datasets (megatron-core's MockGPTDataset with ``--mock-data``, GPTDataset with ``--data-path``).
 It accepts Megatron's flags, ours (``--offload-optimizer-states`` ...) and ``--config FILE.yaml``:
 
-    python scripts/pretrain_gpt.py --config configs/tiny.yaml --offload-optimizer-states
-    torchrun --nproc-per-node 2 scripts/pretrain_gpt.py --config configs/gpt_tp2.yaml
+    torchrun --standalone --nproc-per-node 1 scripts/pretrain_gpt.py --config configs/tiny.yaml \
+        --offload-optimizer-states
+    torchrun --standalone --nproc-per-node 2 scripts/pretrain_gpt.py --config configs/gpt_tp2.yaml
 
 Needs megatron-core >= 0.17 (the wheels that ship megatron.training); checked against 0.19.2.
 """

@@ -5,7 +5,8 @@
 #   usage: bash scripts/train.sh [MEGATRON/OFFLOAD ARGS...]
 #   env:   CONFIG=configs/tiny.yaml  GPUS=1  VENV=.venv-gpu  PYTHON=python3 (3.12 or later)
 # The install is marked done only once it succeeded: after a failed or interrupted one, the next run
-# installs again. Every refusal is one line, before anything big starts.
+# installs again. Every refusal is one line, before anything big starts, the one no install can fix
+# (no GPU) first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${VENV:-.venv-gpu}
@@ -14,7 +15,14 @@ config=${CONFIG:-configs/tiny.yaml}
 pins=("megatron-core>=0.17,<0.20")
 say() { echo "megatron-offload: $*" >&2; }
 
-# 1. Python >= 3.12, before pip runs (it would only say "No matching distribution found").
+# 1. A GPU driver first: what cannot be installed is said before what can (a newer Python, about 5 GB
+#    of packages); torch checks CUDA itself after the install.
+if [ -z "${SKIP_GPU_CHECK:-}" ] && ! command -v nvidia-smi >/dev/null && [ ! -e /proc/driver/nvidia/version ]; then
+  say "no CUDA GPU found: Megatron-LM's training loop needs one; the tests run without: bash scripts/test.sh"
+  exit 2
+fi
+
+# 2. Python >= 3.12, before pip runs (it would only say "No matching distribution found").
 py=$python
 [ -x "$venv/bin/python" ] && py=$venv/bin/python
 version=$("$py" -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])' 2>/dev/null) \
@@ -23,12 +31,6 @@ if ! "$py" -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
   if [ "$py" = "$python" ]; then fix="run PYTHON=python3.12 bash scripts/train.sh"
   else fix="rm -rf $venv and run PYTHON=python3.12 bash scripts/train.sh"; fi
   say "the main job needs Python >= 3.12 (megatron-core >= 0.17, which ships Megatron-LM's training loop, requires it); $py is Python $version: $fix"
-  exit 2
-fi
-
-# 2. A GPU driver, before installing about 5 GB (torch checks CUDA itself after the install).
-if [ -z "${SKIP_GPU_CHECK:-}" ] && ! command -v nvidia-smi >/dev/null && [ ! -e /proc/driver/nvidia/version ]; then
-  say "no CUDA GPU found: Megatron-LM's training loop needs one; the tests run without: bash scripts/test.sh"
   exit 2
 fi
 

@@ -76,14 +76,15 @@ def test_launcher_usage_and_missing_script(capsys: pytest.CaptureFixture[str]) -
 
 
 @pytest.mark.skipif(HAS_MEGATRON_TRAINING, reason="megatron.training is installed here; the GPU tests run it")
-def test_launcher_explains_missing_megatron_training(tmp_path: Path) -> None:
+def test_launcher_explains_missing_megatron_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     script = tmp_path / "train.py"
     script.write_text("raise SystemExit('the script must not run')\n")
-    result = subprocess.run(
-        [sys.executable, "-m", "megatron_offload.run", str(script)], capture_output=True, text=True, cwd=ROOT
-    )
-    assert result.returncode == 2
-    assert "megatron.training" in result.stderr and "0.17" in result.stderr and "attach_offloader" in result.stderr
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # without a GPU, that is said first
+    assert run_main([str(script)]) == 2
+    err = capsys.readouterr().err
+    assert "megatron.training" in err and "0.17" in err and "attach_offloader" in err
 
 
 @pytest.mark.skipif(HAS_MEGATRON_TRAINING, reason="megatron.training is installed here; the GPU tests run it")

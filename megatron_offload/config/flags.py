@@ -1,6 +1,14 @@
 """Command-line flags for Megatron-style scripts, and the rules on combining them with Megatron's own.
 
 ``add_offload_args`` has the signature Megatron-LM expects of ``pretrain(extra_args_provider=...)``.
+
+Megatron-LM's ``dev`` branch defines ``--offload-optimizer-states`` itself, as a deprecated alias of its
+``--chunked-optimizer-state-offload`` (``store_true``, dest ``offload_optimizer_states``, which
+``get_megatron_optimizer_config`` copies into ``OptimizerConfig`` to switch its own offloader on). On such
+a parser ``add_offload_args`` takes the option string over: ours parses it into ``OWN_DEST`` and
+Megatron's dest keeps its default, False, so that one flag never switches on two offloaders. Megatron's
+offloader is then asked for by its own flag, ``--chunked-optimizer-state-offload``. ``offload_requested``
+reads the switch either way.
 """
 
 from __future__ import annotations
@@ -11,15 +19,56 @@ from megatron_offload.config.options import AUTO, OffloadConfig, PrefetchPolicy
 from megatron_offload.config.weight_flags import add_weight_args, check_weight_flags
 
 __all__ = [
+    "GROUP_TITLE",
+    "OWN_DEST",
+    "UPSTREAM_FLAG",
     "add_offload_args",
     "check_offload_combinations",
     "config_from_args",
+    "has_offload_args",
     "ignored_offload_flags",
     "offload_fraction",
+    "offload_requested",
+    "upstream_defines_the_flag",
     "validate_offload_args",
 ]
 
 DEFAULTS = OffloadConfig()  # the flags' defaults are the config's, stated once
+FLAG = "--offload-optimizer-states"
+GROUP_TITLE = "optimizer state offloading (megatron-offload)"
+OWN_DEST = "megatron_offload_optimizer_states"
+"""Where ``--offload-optimizer-states`` lands on a parser whose Megatron-LM defines the flag too."""
+UPSTREAM_FLAG = "--chunked-optimizer-state-offload"
+"""Megatron-LM's own offloader (its ``dev`` branch), of which it makes our flag's name an alias."""
+
+
+def has_offload_args(parser: argparse.ArgumentParser) -> bool:
+    """Whether ``add_offload_args`` already ran on ``parser``."""
+    return any(group.title == GROUP_TITLE for group in parser._action_groups)
+
+
+def offload_requested(args: argparse.Namespace) -> bool:
+    """Whether ``--offload-optimizer-states`` asked for megatron-offload's offloader."""
+    if hasattr(args, OWN_DEST):  # Megatron-LM defines the flag too: its dest is Megatron's, not ours
+        return bool(getattr(args, OWN_DEST))
+    return bool(getattr(args, "offload_optimizer_states", False))
+
+
+def upstream_defines_the_flag(args: argparse.Namespace) -> bool:
+    """Whether the parser behind ``args`` was one whose Megatron-LM defines ``--offload-optimizer-states``."""
+    return hasattr(args, OWN_DEST)
+
+
+def _take_over_upstream_flag(parser: argparse.ArgumentParser) -> bool:
+    """Remove Megatron-LM's ``--offload-optimizer-states`` from ``parser``, keeping its dest at False (its
+    validation and OptimizerConfig read it); True if there was one. argparse's own conflict resolution
+    (``conflict_handler="resolve"``) does the removal, on this one option string only."""
+    upstream = parser._option_string_actions.get(FLAG)
+    if upstream is None:
+        return False
+    parser._handle_conflict_resolve(upstream, [(FLAG, upstream)])
+    parser.set_defaults(**{upstream.dest: False})
+    return True
 
 
 def offload_fraction(text: str) -> float | str:
@@ -34,21 +83,25 @@ def offload_fraction(text: str) -> float | str:
 
 
 def add_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the offload flags to ``parser`` and return it."""
-    group = parser.add_argument_group("optimizer state offloading (megatron-offload)")
-    try:
-        group.add_argument(
-            "--offload-optimizer-states",
-            action="store_true",
-            help="Keep Adam's exp_avg, exp_avg_sq (and the fp32 master weights) in pinned host memory "
-            "between optimizer steps; Adam still runs on the GPU. Needs --use-distributed-optimizer.",
-        )
-    except argparse.ArgumentError as error:
-        raise ValueError(
-            "this Megatron-LM already defines --offload-optimizer-states (its own offloader). Use either "
-            "Megatron-LM's offloader or megatron-offload, not both: do not add megatron-offload's "
-            "arguments to this parser."
-        ) from error
+    """Add the offload flags to ``parser`` and return it (unchanged if it has them already). Where
+    Megatron-LM defines ``--offload-optimizer-states`` too, ours replaces it (see the module's note)."""
+    if has_offload_args(parser):
+        return parser
+    taken_over = _take_over_upstream_flag(parser)
+    group = parser.add_argument_group(GROUP_TITLE)
+    group.add_argument(
+        FLAG,
+        action="store_true",
+        dest=OWN_DEST if taken_over else "offload_optimizer_states",
+        help="Keep Adam's exp_avg, exp_avg_sq (and the fp32 master weights) in pinned host memory "
+        "between optimizer steps; Adam still runs on the GPU. Needs --use-distributed-optimizer."
+        + (
+            " This Megatron-LM names its own offloader so too; here the flag runs megatron-offload's, and "
+            f"Megatron-LM's is {UPSTREAM_FLAG}."
+            if taken_over
+            else ""
+        ),
+    )
     group.add_argument(
         "--offload-master-weights",
         action=argparse.BooleanOptionalAction,
@@ -116,9 +169,17 @@ def check_offload_combinations(args: argparse.Namespace) -> None:
             f"--offload-gpu-memory-cap-gib must be a positive number of GiB (the GPU memory to imitate), got {cap}"
         )
     config_from_args(args)  # every offload value in range, with the messages the Python API gives
-    check_weight_flags(args)
-    if not getattr(args, "offload_optimizer_states", False):
+    check_weight_flags(args, offload_requested(args))
+    if not offload_requested(args):
         return
+    if getattr(args, "chunked_optimizer_state_offload", False) and getattr(
+        args, "optimizer_state_offload_fraction", 1.0
+    ):
+        raise ValueError(
+            f"--offload-optimizer-states cannot be combined with {UPSTREAM_FLAG}: both offload the same "
+            "optimizer state, megatron-offload's offloader and Megatron-LM's own. Keep one: "
+            f"--offload-optimizer-states for megatron-offload's, {UPSTREAM_FLAG} for Megatron-LM's."
+        )
     if getattr(args, "optimizer_cpu_offload", False):
         raise ValueError(
             "--offload-optimizer-states cannot be combined with --optimizer-cpu-offload. "
@@ -156,7 +217,7 @@ def check_offload_combinations(args: argparse.Namespace) -> None:
 
 
 def _require_distributed_optimizer(args: argparse.Namespace) -> None:
-    if getattr(args, "offload_optimizer_states", False) and not getattr(args, "use_distributed_optimizer", False):
+    if offload_requested(args) and not getattr(args, "use_distributed_optimizer", False):
         raise ValueError(
             "--offload-optimizer-states needs --use-distributed-optimizer: it offloads the state of "
             "megatron-core's DistributedOptimizer. Add --use-distributed-optimizer."
@@ -172,13 +233,13 @@ def validate_offload_args(args: argparse.Namespace) -> None:
     """
     check_offload_combinations(args)
     _require_distributed_optimizer(args)  # again: Megatron's validation may have turned it off
-    check_weight_flags(args, derived=True)
+    check_weight_flags(args, offload_requested(args), derived=True)
 
 
 def ignored_offload_flags(args: argparse.Namespace) -> list[str]:
     """The offload flags given a value other than their default while offloading is off: they do
     nothing then, which the user may not expect (the GPU memory cap works either way)."""
-    if getattr(args, "offload_optimizer_states", False):
+    if offload_requested(args):
         return []
     defaults = {
         "offload_master_weights": DEFAULTS.offload_master_weights,

@@ -77,13 +77,14 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def check_weight_flags(args: argparse.Namespace, derived: bool = False) -> None:
+def check_weight_flags(args: argparse.Namespace, state_offload: bool, derived: bool = False) -> None:
     """Raise ValueError, one line naming the flag and what to do, for a combination weight streaming does
-    not support. ``derived``: also the values Megatron's validation derives (data-parallel size, whether
+    not support. ``state_offload``: whether --offload-optimizer-states asked for our offloader.
+    ``derived``: also the values Megatron's validation derives (data-parallel size, whether
     gradient-accumulation fusion stayed on), after that validation."""
     if not getattr(args, "offload_weights", False):
         return
-    if not getattr(args, "offload_optimizer_states", False):
+    if not state_offload:
         raise ValueError(
             f"{FLAG} needs --offload-optimizer-states (the optimizer state of a model too large for the GPU "
             "must leave it too): add --offload-optimizer-states"

@@ -80,7 +80,9 @@ def distributed_optimizers(optimizer: Any) -> list[Any]:
 def _check_compatible(dist_opt: Any) -> None:
     from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
-    if getattr(dist_opt.config, "offload_optimizer_states", False):
+    if getattr(dist_opt.config, "offload_optimizer_states", False) or getattr(
+        dist_opt.config, "chunked_optimizer_state_offload", False
+    ):
         raise ValueError(
             "this megatron-core has its own optimizer-state offloading switched on "
             "(OptimizerConfig.offload_optimizer_states / Megatron-LM's --offload-optimizer-states). Two "

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from megatron_offload.config.flags import offload_requested
 from megatron_offload.core.gpu_memory import expandable_segments_from_now
 from megatron_offload.megatron.optimizer_internals import _HANDLE_ATTR, _master_weights, distributed_optimizers
 from megatron_offload.optimizer_state.offloader import OptimizerStateOffloader
@@ -265,7 +266,7 @@ def install_rl_sleep_hooks() -> None:
         optimizer = build(*args, **kwargs)
         megatron_args = global_vars.get_args()
         rl = getattr(megatron_args, "rl_offload_optimizer_during_inference", False)
-        if rl and getattr(megatron_args, "offload_optimizer_states", False):
+        if rl and offload_requested(megatron_args):
             model_chunks = kwargs.get("model_chunks", args[1] if len(args) > 1 else None)
             route_rl_offload_through_sleep(optimizer, model_chunks)
             if int(os.environ.get("RANK", "0")) == 0:

@@ -6,7 +6,10 @@ names in megatron.training's module namespaces (no source is changed), each wrap
 original:
 - ``arguments.parse_args``: our flags join Megatron's parser (unless the script already added them),
   every on/off switch gets its opposite (so ``NAME: false`` in a ``--config`` file works), and a parse
-  error is one line (not Megatron's usage of several hundred lines);
+  error is one line (not Megatron's usage of several hundred lines). Where Megatron-LM defines
+  ``--offload-optimizer-states`` itself (its ``dev`` branch, for its own offloader), the flag runs ours
+  and Megatron's stays off unless asked for by ``--chunked-optimizer-state-offload`` (config/flags.py);
+  the log says which one runs;
 - ``arguments.validate_args``: without a CUDA GPU, one line and exit; our checks of the flags as given run
   before Megatron's own (whose assertions would send the user the wrong way, and whose argument dump
   would bury our message), the rest after it; a refusal is one line, not a traceback;
@@ -37,10 +40,14 @@ import torch
 
 from megatron_offload.config.files import NO_CUDA, add_switch_inverses, missing_training_message
 from megatron_offload.config.flags import (
+    UPSTREAM_FLAG,
     add_offload_args,
     check_offload_combinations,
     config_from_args,
+    has_offload_args,
     ignored_offload_flags,
+    offload_requested,
+    upstream_defines_the_flag,
     validate_offload_args,
 )
 from megatron_offload.core.gpu_memory import apply_memory_cap, gpu_only, use_expandable_segments_by_default
@@ -128,8 +135,19 @@ def _one_line_errors(parser: argparse.ArgumentParser) -> None:
     parser.error = error  # type: ignore[method-assign]
 
 
-def _has_offload_flags(parser: argparse.ArgumentParser) -> bool:
-    return any("--offload-optimizer-states" in action.option_strings for action in parser._actions)
+def which_offloader(args: argparse.Namespace) -> str | None:
+    """The log line naming the offloader that runs, where Megatron-LM defines --offload-optimizer-states
+    too (so that a reader of the log knows which of the two the flag switched on); None elsewhere."""
+    if not upstream_defines_the_flag(args):
+        return None
+    if offload_requested(args):
+        return (
+            "megatron-offload: --offload-optimizer-states runs megatron-offload's offloader; Megatron-LM's own "
+            f"(which this Megatron-LM also names --offload-optimizer-states) stays off: {UPSTREAM_FLAG} asks for it"
+        )
+    if getattr(args, "chunked_optimizer_state_offload", False):
+        return f"megatron-offload: {UPSTREAM_FLAG} runs Megatron-LM's own offloader; megatron-offload's is off"
+    return None
 
 
 def _skip_compile_when_prebuilt() -> None:
@@ -159,7 +177,7 @@ def install_training_hooks() -> None:
         def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             if extra_args_provider is not None:
                 parser = extra_args_provider(parser)
-            if not _has_offload_flags(parser):
+            if not has_offload_args(parser):
                 parser = add_offload_args(parser)
             _one_line_errors(parser)
             return add_switch_inverses(parser)
@@ -174,11 +192,14 @@ def install_training_hooks() -> None:
         _refuse_bad_flags(check_offload_combinations, args)  # before Megatron's assertions and dump
         result = validate_args(args, *rest, **kwargs)
         _refuse_bad_flags(validate_offload_args, args)
+        which = which_offloader(args)
+        if which:
+            _print_once(which)
         ignored = ignored_offload_flags(args)
         if ignored:
             verb = "has" if len(ignored) == 1 else "have"
             _print_once(f"megatron-offload: {', '.join(ignored)} {verb} no effect without --offload-optimizer-states")
-        if getattr(args, "offload_optimizer_states", False) and getattr(args, "offload_host_memory_check", True):
+        if offload_requested(args) and getattr(args, "offload_host_memory_check", True):
             needed = host_bytes_per_rank(args)
             if needed:  # before the model is built: a node that cannot hold the state stops here, in one line
                 try:
@@ -202,7 +223,7 @@ def install_training_hooks() -> None:
         if fix_note:
             _print_once(fix_note)
         megatron_args = global_vars.get_args()
-        if getattr(megatron_args, "offload_optimizer_states", False):
+        if offload_requested(megatron_args):
             handle = attach_offloader(optimizer, config_from_args(megatron_args))
             handle.say = _print_once  # what `--offload-fraction auto` chose, on the first rank
             _handles.append(handle)
