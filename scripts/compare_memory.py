@@ -9,7 +9,9 @@ model's size implies, and the figures are judged against configs/nightly_thresho
         [--thresholds FILE] [-- EXTRA MEGATRON ARGS]
     python scripts/compare_memory.py --from-logs DIR      # re-parse DIR/<run>.log (+ snapshots), rewrite the report
 
-Writes DIR/report.json, report.md, peak_memory.png and memory_timeline.png. Exit status: 0 when every
+Writes DIR/report.json, report.md, peak_memory.png and memory_timeline.png, and DIR/thresholds_reached.yaml:
+the thresholds file set from what this run reached (REACHED_* below say how much room each gets), to copy
+over configs/nightly_thresholds.yaml after a first run on the nightly's machine. Exit status: 0 when every
 threshold passed, 1 when one failed, 2 on a usage error or when the baseline or offload run failed.
 """
 
@@ -43,6 +45,11 @@ from memory_report import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
+# Thresholds from what a run reached (DIR/thresholds_reached.yaml): each figure with this much room, so a
+# nightly on the same machine passes and a real regression does not. Set them once after a first GPU run.
+REACHED_SAVING_ROOM = 0.05  # min_saving_fraction: the fraction reached, less this
+REACHED_PEAK_ROOM = 0.8  # min_peak_saving_gib: this share of the peak saving reached
+REACHED_OVERHEAD_ROOM = 0.10  # max_step_time_overhead: the overhead reached, plus this
 RUN_FLAGS = {
     "baseline": [],
     "offload": ["--offload-optimizer-states"],
@@ -268,6 +275,30 @@ def build_report(
     return report, 2 if failed else 0 if report["verdict"] == "PASS" else 1
 
 
+def thresholds_reached(report: dict[str, Any]) -> str | None:
+    """configs/nightly_thresholds.yaml's keys set from what this run reached (with the REACHED_* room), as
+    YAML for the lead to copy over the shipped file (or pass with --thresholds); None without a verdict."""
+    saving = report.get("saving") or {}
+    figures = [saving.get(key) for key in ("saving_fraction", "peak_saving_gib", "step_time_overhead")]
+    if report.get("verdict") == "ERROR" or any(figure is None for figure in figures):
+        return None
+    fraction, peak, overhead = figures
+    equal = next((c["passed"] for c in report.get("checks", []) if c["name"] == "losses_equal"), True)
+    return "\n".join(
+        [
+            "# Thresholds from what one run reached (scripts/compare_memory.py, REACHED_* room):",
+            f"# {report['environment'].get('device')}, commit {report['environment'].get('commit')}",
+            f"# {report['generated']}",
+            f"# reached: saving fraction {fraction:.3f}, peak saving {peak:.2f} GiB, step overhead {overhead:+.1%}",
+            f"min_saving_fraction: {max(fraction - REACHED_SAVING_ROOM, 0):.2f}",
+            f"min_peak_saving_gib: {max(peak * REACHED_PEAK_ROOM, 0):.2f}",
+            f"max_step_time_overhead: {max(overhead, 0) + REACHED_OVERHEAD_ROOM:.2f}",
+            f"losses_equal: {'true' if equal else 'false'}",
+            "",
+        ]
+    )
+
+
 def print_verdict(report: dict[str, Any], out: Path) -> None:
     """The block a nightly log is read for: one line per threshold, then the overall verdict."""
     print("\n=== nightly memory comparison: verdict ===")
@@ -294,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
         info = run_all(args, extra)
     report, code = build_report(args.from_logs or args.out, args, info, extra)
     print_verdict(report, args.out)
+    reached = thresholds_reached(report)
+    if reached is not None:
+        (args.out / "thresholds_reached.yaml").write_text(reached)
+        print(f"thresholds from this run: {args.out}/thresholds_reached.yaml (copy over {args.thresholds} to adopt)")
     return code
 
 

@@ -12,9 +12,15 @@ has room, so an uncapped peak does not show it).
     python scripts/integration.py --only dp2 tp2               # by name, in the table's order
     python scripts/integration.py --only crash-after-step crash-backward crash-checkpoint --out results/crash
 
-Every run is bounded (``--bound-s``; crash_entries.Bounds for the crash entries): its log goes straight to
-a file, and a run past its bound is killed with every process it started (crash_entries.run_bounded);
-its entry then fails with a verdict naming the run, where it was and its last log lines.
+Every run is bounded (``--bound-s``; drill_runs.Bounds for the crash entries): its log goes straight to
+a file, and a run past its bound is killed with every process it started (drill_runs.run_bounded); its
+entry then fails with a verdict naming the run, where it was and its last log lines.
+
+A crash entry runs beside its control, the same kill without offloading, and ends with one of three
+verdicts (crash_verdict.py): ``pass`` (the resumed run bitwise the uninterrupted one), ``megatron-core's
+difference`` (every difference shown by the control as well: megatron-core's own resume, not a failure
+of ours) or ``FAIL`` (a difference the control does not show, or a run or check that went wrong). Only
+``FAIL`` makes the exit status 1.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import crash_entries  # scripts/ is on sys.path when run as a script
+import drill_runs
+from crash_verdict import FAIL
 from memory_report import GIB, MIB, expected_state_bytes
 from memory_report import parse_log as parse_megatron_log
 
@@ -56,7 +64,7 @@ class Entry:
     env: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     capped: bool = False  # offload runs under a cap: the baseline's peak less 90% of the state
-    crash: str | None = None  # a crash entry (crash_entries.py): where the killed run is killed
+    crash: crash_entries.CrashEntry | None = None  # a crash entry (crash_entries.py): its kill and flags
 
 
 def entries(checkpoint_dir: str) -> list[Entry]:
@@ -121,8 +129,9 @@ def entries(checkpoint_dir: str) -> list[Entry]:
             },
             env={"CUDA_DEVICE_MAX_CONNECTIONS": "1"},  # megatron-core asserts it for TP > 1 on Hopper
         ),
-        # Killed with SIGKILL, then resumed in a new process: see crash_entries.py.
-        *(Entry(f"crash-{mode}", 1, {}, crash=mode) for mode in crash_entries.KILL_AT),
+        # Killed with SIGKILL, then resumed in a new process, beside a control without offloading: see
+        # crash_entries.py (an entry for another offload flag is one line of its ENTRIES).
+        *(Entry(crash.name, 1, {}, crash=crash) for crash in crash_entries.ENTRIES),
     ]
 
 
@@ -148,13 +157,13 @@ def parse_log(text: str) -> dict:
 
 def run(entry: Entry, run_name: str, argv: list[str], out: Path, bound_s: float) -> dict:
     """One run under torchrun, bounded: what the checks read from its log, and how it ended."""
-    command = crash_entries.torchrun(entry.gpus) + argv
+    command = drill_runs.torchrun(entry.gpus) + argv
     log = out / f"{entry.name}-{run_name}.log"
     print(f"[{entry.name}/{run_name}] {' '.join(command)}", flush=True)
-    outcome = crash_entries.run_bounded(command, log, bound_s=bound_s, env={**os.environ, **entry.env}, cwd=ROOT)
+    outcome = drill_runs.run_bounded(command, log, bound_s=bound_s, env={**os.environ, **entry.env}, cwd=ROOT)
     parsed = parse_log(outcome.text)
     parsed |= {"returncode": outcome.returncode, "seconds": round(outcome.seconds, 1), "stopped": outcome.stopped}
-    parsed |= {"verdict": crash_entries.verdict(run_name, outcome) if outcome.stopped else None}
+    parsed |= {"verdict": drill_runs.verdict(run_name, outcome) if outcome.stopped else None}
     parsed |= {"left_behind": outcome.left_behind}
     if outcome.returncode != 0:
         print(outcome.text[-3000:], flush=True)
@@ -205,13 +214,13 @@ def render_table(summary: dict) -> str:
     ]
     for name, item in summary.items():
         runs = list(item["runs"].values())
-        peaks = "/".join(f"{r['max_allocated_MiB'] or 0:.0f}" for r in runs)
-        offloaded = next((r for r in runs if r["offloaded_GiB_per_rank"]), None)
+        peaks = "/".join(f"{r.get('max_allocated_MiB') or 0:.0f}" for r in runs)
+        offloaded = next((r for r in runs if r.get("offloaded_GiB_per_rank")), None)
         gib, exposed = (
             (offloaded["offloaded_GiB_per_rank"], offloaded["copy_out_in_exposed_ms"][2]) if offloaded else (0, 0)
         )
-        iters = max((len(r["losses"]) for r in runs), default=0)
-        verdict = "ok" if not item["failures"] else "FAIL: " + "; ".join(item["failures"])
+        iters = max((len(r.get("losses", {})) for r in runs), default=0)
+        verdict = item.get("verdict") or ("ok" if not item["failures"] else "FAIL: " + "; ".join(item["failures"]))
         lines.append(f"{name:32} {item['gpus']:>4} {iters:>5} {peaks:>20} {gib:>8.3f} {exposed:>10.1f}  {verdict}")
     return "\n".join(lines) + "\n"
 
@@ -225,14 +234,14 @@ def main() -> int:
         "--bound-s",
         type=float,
         help=f"seconds any one run may take before it is killed (default {BOUND_S:g}; "
-        f"crash entries {crash_entries.Bounds().run_s:g})",
+        f"crash entries {drill_runs.Bounds().run_s:g})",
     )
     args = parser.parse_args()
-    crash_entries.exit_on_sigterm()
+    drill_runs.exit_on_sigterm()
     args.out.mkdir(parents=True, exist_ok=True)
     checkpoint_dir = tempfile.mkdtemp(prefix="offload-ckpt-")
-    bounds = crash_entries.Bounds(**({"run_s": args.bound_s} if args.bound_s else {}))
-    crash_drill = crash_entries.CrashDrill(args.out, crash_entries.torchrun(1), bounds, cwd=ROOT, parse=parse_log)
+    bounds = drill_runs.Bounds(**({"run_s": args.bound_s} if args.bound_s else {}))
+    crash_drill = crash_entries.CrashDrill(args.out, drill_runs.torchrun(1), bounds, cwd=ROOT, parse=parse_log)
     summary = {}
     try:
         for entry in entries(checkpoint_dir):
@@ -240,8 +249,17 @@ def main() -> int:
                 continue
             shutil.rmtree(checkpoint_dir, ignore_errors=True)
             if entry.crash:
-                results, failures, facts = crash_drill.run_entry(entry.name, entry.crash, entry.env)
-                summary[entry.name] = {"gpus": entry.gpus, "failures": failures, "runs": results, "crash": facts}
+                results, verdict, facts = crash_drill.run_entry(entry.crash, entry.env)
+                summary[entry.name] = {
+                    "gpus": entry.gpus,
+                    "verdict": verdict.line(),
+                    "status": verdict.status,
+                    "failures": verdict.failures,
+                    "megatron_core_differences": verdict.megatron_core,
+                    "control_only_differences": verdict.control_only,
+                    "runs": results,
+                    "crash": facts,
+                }
             else:
                 results = {}
                 for name, argv in entry.runs.items():
@@ -254,8 +272,8 @@ def main() -> int:
             # Written after every entry, so a run cut short by a time limit keeps what it finished.
             (args.out / "integration.json").write_text(json.dumps(summary, indent=1, default=str))
             (args.out / "table.txt").write_text(render_table(summary))
-            verdict = "ok" if not summary[entry.name]["failures"] else "FAIL"
-            print(f"=== {entry.name}: {verdict}", flush=True)
+            item = summary[entry.name]
+            print(f"=== {entry.name}: {item.get('verdict') or ('ok' if not item['failures'] else FAIL)}", flush=True)
     finally:
         crash_drill.close()
         shutil.rmtree(checkpoint_dir, ignore_errors=True)

@@ -302,3 +302,26 @@ def test_plots_from_logs_and_snapshots(tmp_path: Path, capsys: pytest.CaptureFix
         assert (folder / name).read_bytes().startswith(b"\x89PNG")
     assert any("leaves out offload: no offload.snapshot.pickle" in note for note in report["notes"])
     assert not any("leaves out baseline" in note for note in report["notes"])
+
+
+def test_thresholds_reached_by_a_run_are_written_and_pass_that_run_again(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """After one run the lead adopts DIR/thresholds_reached.yaml: a strict thresholds file, each figure of
+    the run with its REACHED_* room, under which the same logs pass and half the saving fails."""
+    folder = logs_dir(tmp_path)
+    code, out, report = verdict(folder, capsys)
+    assert code == 0 and "thresholds_reached.yaml" in out
+    reached = folder / "thresholds_reached.yaml"
+    limits = load_thresholds(reached)
+    saving = report["saving"]
+    assert limits.min_saving_fraction == pytest.approx(saving["saving_fraction"] - 0.05, abs=0.005)
+    assert limits.min_peak_saving_gib == pytest.approx(saving["peak_saving_gib"] * 0.8, abs=0.005)
+    assert limits.max_step_time_overhead == pytest.approx(saving["step_time_overhead"] + 0.10, abs=0.005)
+    assert limits.losses_equal is True
+    again, out, _ = verdict(folder, capsys, "--thresholds", str(reached))
+    assert again == 0, out
+    (tmp_path / "half").mkdir()
+    half = logs_dir(tmp_path / "half", offload="offload_half_saving.log")
+    code, out, _ = verdict(half, capsys, "--thresholds", str(reached))
+    assert code == 1 and "FAIL  min_saving_fraction" in out

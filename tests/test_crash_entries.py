@@ -13,7 +13,10 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # scripts, not a package
 
-import crash_entries  # noqa: E402
+import crash_checks  # noqa: E402
+import crash_verdict  # noqa: E402
+import drill_checkpoints  # noqa: E402
+import drill_runs  # noqa: E402
 
 
 def line(i: int, loss: str, norm: str) -> str:
@@ -29,7 +32,9 @@ def log(iterations: range, loss: str = "1.0E+01", first_loss: str | None = None)
 
 
 def test_losses_and_grad_norms_are_read_as_printed() -> None:
-    assert crash_entries.losses_and_grad_norms(line(11, "1.037512E+01", "11.237")) == {11: ("1.037512E+01", "11.237")}
+    assert drill_checkpoints.losses_and_grad_norms(line(11, "1.037512E+01", "11.237")) == {
+        11: ("1.037512E+01", "11.237")
+    }
 
 
 def save(directory: Path, state: dict) -> None:
@@ -38,17 +43,21 @@ def save(directory: Path, state: dict) -> None:
 
 def test_final_checkpoints_are_compared_bit_for_bit(tmp_path: Path) -> None:
     params = {"model": {"w": torch.randn(4, 3), "b": torch.zeros(3)}, "optimizer": {"exp_avg": torch.randn(7)}}
+    params["rng"] = torch.arange(5056, dtype=torch.uint8)  # as megatron-core's torch_rng_state
     save(tmp_path / "a" / "iter_0000020", params)
     save(tmp_path / "b" / "iter_0000020", params)
-    a, b = (crash_entries.checkpoint_tensors(tmp_path / d / "iter_0000020", tmp_path) for d in ("a", "b"))
-    assert crash_entries.compare_checkpoints(a, b) == (3, [])
-    changed = dict(b, **{"optimizer/exp_avg": b["optimizer/exp_avg"].clone()})
-    changed["optimizer/exp_avg"][3] = torch.nextafter(changed["optimizer/exp_avg"][3], torch.tensor(1e9))  # one ulp
-    changed["model/b"] = -changed["model/b"]  # -0.0: numerically equal, other bits
-    compared, differences = crash_entries.compare_checkpoints(a, changed)
-    assert compared == 3 and [d.split(":")[0] for d in differences] == ["model/b", "optimizer/exp_avg"]
-    del changed["model/w"]
-    assert "model/w: only in one checkpoint" in crash_entries.compare_checkpoints(a, changed)[1]
+    a, b = (drill_checkpoints.fingerprints(tmp_path / d / "iter_0000020", tmp_path) for d in ("a", "b"))
+    assert len(a) == 4 and drill_checkpoints.tensor_differences(a, b) == {}
+    changed = {"model": dict(params["model"]), "optimizer": {"exp_avg": params["optimizer"]["exp_avg"].clone()}}
+    changed["optimizer"]["exp_avg"][3] = torch.nextafter(changed["optimizer"]["exp_avg"][3], torch.tensor(1e9))
+    changed["model"]["b"] = -params["model"]["b"]  # -0.0: numerically equal, other bits
+    changed["rng"] = params["rng"].clone()
+    save(tmp_path / "c" / "iter_0000020", changed)
+    c = drill_checkpoints.fingerprints(tmp_path / "c" / "iter_0000020", tmp_path)
+    assert sorted(drill_checkpoints.tensor_differences(a, c)) == ["model/b", "optimizer/exp_avg"]
+    del c["model/w"]
+    assert drill_checkpoints.tensor_differences(a, c)["model/w"] == (a["model/w"], drill_checkpoints.ABSENT)
+    assert a["rng"].startswith("uint8 (5056,) sha256:")
 
 
 def test_a_save_cut_short_is_seen_and_the_tracker_names_the_last_complete_one(tmp_path: Path) -> None:
@@ -57,8 +66,8 @@ def test_a_save_cut_short_is_seen_and_the_tracker_names_the_last_complete_one(tm
     cut = tmp_path / "iter_0000015"
     cut.mkdir()
     (cut / "__0_0.distcp").write_bytes(b"half a file")  # the kill came before .metadata and the tracker
-    assert crash_entries.last_complete_iteration(tmp_path) == 10
-    assert crash_entries.cut_short(tmp_path) == ["iter_0000015"]
+    assert drill_checkpoints.last_complete_iteration(tmp_path) == 10
+    assert drill_checkpoints.cut_short(tmp_path) == ["iter_0000015"]
 
 
 def results(killed_rc: int = -9) -> dict:
@@ -72,25 +81,19 @@ def logs(resumed: str, marker: str) -> dict[str, str]:
 LOADED = "  successfully loaded checkpoint from /tmp/x [ t 1/1, gtp_remat 1/1, p 1/1 ] at iteration 10\n"
 
 
-def test_a_good_resume_passes_and_each_failure_is_named() -> None:
-    marker = f"{crash_entries.CRASH_MARKER} after the step of iteration 13, pending copy-out bytes 4096"
+def test_a_good_resume_passes_its_checks_and_each_failure_is_named() -> None:
+    marker = f"{drill_runs.CRASH_MARKER} after the step of iteration 13, pending copy-out bytes 4096"
     facts = {"tracker_after_kill": 10, "cut_short_after_kill": []}
     good = LOADED + log(range(11, 21))
-    assert crash_entries.check("after-step", 13, results(), logs(good, marker), facts) == []
-    assert facts["losses_after_load"] == {11: ["1.0E+01", "1.0E+01"], 12: ["1.0E+01", "1.0E+01"]}
-    first_differs = crash_entries.check(
-        "after-step", 13, results(), logs(LOADED + log(range(11, 21), "1.0E+01", "9.9E+00"), marker), {**facts}
-    )
-    assert first_differs == ["iteration 11: loss 9.9E+00 resumed, 1.0E+01 uninterrupted"]
+    assert crash_checks.check("after-step", 13, results(), logs(good, marker), facts) == []
+    assert facts["resumed_loaded"] == [10] and facts["kill"] == marker
     nothing_pending = marker.replace("4096", "0")
-    failures = crash_entries.check("after-step", 13, results(), logs(good, nothing_pending), dict(facts))
+    failures = crash_checks.check("after-step", 13, results(), logs(good, nothing_pending), dict(facts))
     assert failures == ["killed: no copy to host was in flight at the kill"]
-    bad = LOADED + log(range(11, 21)).replace(
-        "lm loss: 1.0E+01 | loss scale: 1.0 | grad norm: 17.5", "lm loss: 2.0E+01 | loss scale: 1.0 | grad norm: 17.6"
-    )
-    failures = crash_entries.check("backward", 13, results(), logs(bad, marker), dict(facts))
-    assert [f.split(":")[0] for f in failures] == ["iteration 17", "iteration 17"]
-    failures = crash_entries.check("checkpoint", 15, results(killed_rc=0), logs(log(range(1, 21)), ""), dict(facts))
+    control_marker = f"{drill_runs.CRASH_MARKER} after the step of iteration 13 (no offloader attached: the step)"
+    control = crash_checks.check("after-step", 13, results(), logs(good, control_marker), dict(facts), offloaded=False)
+    assert control == []  # without offloading there are no copies to be in flight
+    failures = crash_checks.check("checkpoint", 15, results(killed_rc=0), logs(log(range(1, 21)), ""), dict(facts))
     assert failures == [
         "killed run never reached its kill point (checkpoint of iteration 15): it ended before its first iteration, "
         "exit 0; last log lines: (empty log)",
@@ -103,47 +106,96 @@ def test_a_good_resume_passes_and_each_failure_is_named() -> None:
 def test_a_run_the_drill_stopped_fails_with_its_verdict_and_a_tracker_on_an_incomplete_save_is_caught(
     tmp_path: Path,
 ) -> None:
-    marker = f"{crash_entries.CRASH_MARKER} after the step of iteration 13, pending copy-out bytes 4096"
+    marker = f"{drill_runs.CRASH_MARKER} after the step of iteration 13, pending copy-out bytes 4096"
     good = LOADED + log(range(11, 21))
     stopped = results() | {"resumed": {"returncode": None, "stopped": "no exit within 150 s", "verdict": "VERDICT"}}
     (tmp_path / "iter_0000010").mkdir()  # named by the tracker, but without .metadata: not a whole save
     facts = {"tracker_after_kill": 10, "cut_short_after_kill": []}
-    failures = crash_entries.check("after-step", 13, stopped, logs(good, marker), facts, tmp_path)
+    failures = crash_checks.check("after-step", 13, stopped, logs(good, marker), facts, tmp_path)
     assert failures == ["VERDICT", "the tracker names iteration 10, whose save has no .metadata (incomplete)"]
     assert facts["tracker_names_complete_save"] is False
 
 
 def test_the_phase_a_verdict_names_comes_from_the_log() -> None:
-    assert crash_entries.phase("") == "before its first iteration"
-    assert crash_entries.phase(log(range(1, 13))) == "after iteration 12"
-    assert crash_entries.phase(log(range(1, 13)) + "\n" + crash_entries.CRASH_MARKER + " x") == (
+    assert drill_runs.phase("") == "before its first iteration"
+    assert drill_runs.phase(log(range(1, 13))) == "after iteration 12"
+    assert drill_runs.phase(log(range(1, 13)) + "\n" + drill_runs.CRASH_MARKER + " x") == (
         "after iteration 12, after its SIGKILL line"
     )
-    assert crash_entries.phase(LOADED) == "after loading the checkpoint of iteration 10, before its first iteration"
+    assert drill_runs.phase(LOADED) == "after loading the checkpoint of iteration 10, before its first iteration"
 
 
-def test_the_second_loss_after_a_load_is_the_mean_of_the_first_two_as_megatron_prints_it() -> None:
-    """Megatron 0.19's training_log keeps its loss sums after a run's first iteration (should_reset = not
-    is_first_iteration), so a resumed run's second line prints the mean of its first two losses: seen on
-    an H100, with every grad norm and every later loss equal."""
-    losses = {i: f"{9 + i / 100:.6E}" for i in range(1, 21)}
-    uninterrupted = "\n".join(line(i, losses[i], f"{i}.5") for i in range(1, 21))
-    marker = f"{crash_entries.CRASH_MARKER} after the step of iteration 13, pending copy-out bytes 4096"
+# ------------------------------------------------------------------- the control comparison (verdict)
+# What the H100 showed: the resumed run's iteration-12 loss and the final CPU RNG state differ from the
+# uninterrupted run's, with offloading and without alike.
+LOSS_12 = ("9.516481E+00", "9.488976E+00")
+RNG = "final checkpoint rng_state/0/random_rng_state/torch_rng_state"
+RNG_PAIR = ("uint8 (5056,) sha256:aaaa", "uint8 (5056,) sha256:bbbb")
 
-    def resumed(second: str) -> str:
-        return LOADED + "\n".join(line(i, second if i == 12 else losses[i], f"{i}.5") for i in range(11, 21))
 
-    facts = {"tracker_after_kill": 10, "cut_short_after_kill": []}
-    mean = resumed("9.115000E+00")  # (9.11 + 9.12) / 2
-    assert (
-        crash_entries.check(
-            "after-step", 13, results(), {"uninterrupted": uninterrupted, "killed": marker, "resumed": mean}, facts
-        )
-        == []
-    )
-    assert "mean of the first two" in facts["second_loss_after_load"]
-    off = resumed("9.115100E+00")
-    failures = crash_entries.check(
-        "after-step", 13, results(), {"uninterrupted": uninterrupted, "killed": marker, "resumed": off}, dict(facts)
-    )
-    assert failures == ["iteration 12: loss 9.115100E+00 resumed, 9.120000E+00 uninterrupted"]
+def resumed_with(changes: dict[int, str]) -> str:
+    losses = {i: f"{9 + i / 100:.6E}" for i in range(11, 21)} | changes
+    return LOADED + "\n".join(line(i, losses[i], f"{i}.5") for i in range(11, 21))
+
+
+def test_logged_differences_are_every_loss_and_grad_norm_as_printed() -> None:
+    uninterrupted = "\n".join(line(i, f"{9 + i / 100:.6E}", f"{i}.5") for i in range(1, 21))
+    iterations = list(range(11, 21))
+    assert crash_verdict.logged_differences(uninterrupted, resumed_with({}), iterations) == {}
+    found = crash_verdict.logged_differences(uninterrupted, resumed_with({12: "9.488976E+00"}), iterations)
+    assert found == {"iteration 12 lm loss": ("9.120000E+00", "9.488976E+00")}
+    missing = crash_verdict.logged_differences(uninterrupted, LOADED + log(range(11, 20)), [20])
+    assert missing == {
+        "iteration 20 lm loss": ("9.200000E+00", "absent"),
+        "iteration 20 grad norm": ("20.5", "absent"),
+    }
+
+
+def test_a_resume_bitwise_equal_passes() -> None:
+    verdict = crash_verdict.judge({}, {})
+    assert verdict.status == crash_verdict.PASS and verdict.failures == verdict.megatron_core == []
+    assert verdict.line().startswith("pass")
+
+
+def test_a_difference_the_control_shows_as_well_is_megatron_cores_and_not_a_failure() -> None:
+    ours = {"iteration 12 lm loss": LOSS_12, RNG: RNG_PAIR}
+    verdict = crash_verdict.judge(ours, dict(ours))
+    assert verdict.status == crash_verdict.MEGATRON_CORE and verdict.failures == []
+    assert verdict.megatron_core == [
+        "iteration 12 lm loss: 9.516481E+00 uninterrupted, 9.488976E+00 resumed; the same without offloading",
+        f"{RNG}: {RNG_PAIR[0]} uninterrupted, {RNG_PAIR[1]} resumed; the same without offloading",
+    ]
+    assert verdict.line().startswith("megatron-core's difference: iteration 12 lm loss")
+
+
+def test_a_difference_in_both_runs_is_megatron_cores_one_only_in_ours_fails() -> None:
+    ours = {"iteration 12 lm loss": LOSS_12, "final checkpoint optimizer/exp_avg": ("sha256:1", "sha256:2")}
+    verdict = crash_verdict.judge(ours, {"iteration 12 lm loss": LOSS_12})
+    assert verdict.status == crash_verdict.FAIL
+    assert [d.split(":")[0] for d in verdict.megatron_core] == ["iteration 12 lm loss"]
+    assert verdict.failures == [
+        "final checkpoint optimizer/exp_avg: sha256:1 uninterrupted, sha256:2 resumed; "
+        "the run without offloading resumed equal"
+    ]
+    assert verdict.line().startswith("FAIL: final checkpoint optimizer/exp_avg")
+
+
+def test_the_same_start_resumed_to_another_value_than_the_control_fails() -> None:
+    """Both resumes differ at iteration 12, but from the same uninterrupted loss to different values:
+    offloading changed what megatron-core's resume does there, so it is not megatron-core's alone."""
+    verdict = crash_verdict.judge({"iteration 12 lm loss": LOSS_12}, {"iteration 12 lm loss": (LOSS_12[0], "9.4")})
+    assert verdict.status == crash_verdict.FAIL and verdict.megatron_core == []
+    assert verdict.failures[0].endswith("without offloading the same start resumed to 9.4")
+
+
+def test_without_a_control_every_difference_fails_and_the_controls_own_are_reported() -> None:
+    verdict = crash_verdict.judge({"iteration 12 lm loss": LOSS_12}, None, ["without offloading: killed run ..."])
+    assert verdict.status == crash_verdict.FAIL
+    assert verdict.failures == [
+        "without offloading: killed run ...",
+        "iteration 12 lm loss: 9.516481E+00 uninterrupted, 9.488976E+00 resumed (no control to tell whose)",
+    ]
+    only_control = crash_verdict.judge({}, {"iteration 12 lm loss": LOSS_12})
+    assert only_control.status == crash_verdict.PASS and len(only_control.control_only) == 1
+    failed_check = crash_verdict.judge({}, {}, ["the tracker names iteration 5, expected 10"])
+    assert failed_check.status == crash_verdict.FAIL

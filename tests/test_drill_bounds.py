@@ -19,6 +19,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # scripts, not a package
 
 import crash_entries  # noqa: E402
+import drill_runs  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="the drill reads processes from /proc")
 
@@ -68,11 +69,11 @@ def pids(text: str) -> list[int]:
 
 def test_a_child_that_sleeps_forever_ends_at_its_bound_with_a_verdict(tmp_path: Path) -> None:
     start = time.monotonic()
-    outcome = crash_entries.run_bounded([sys.executable, "-c", SLEEPER], tmp_path / "run.log", bound_s=2)
+    outcome = drill_runs.run_bounded([sys.executable, "-c", SLEEPER], tmp_path / "run.log", bound_s=2)
     assert time.monotonic() - start < 2 + 5
     assert outcome.stopped == "no exit within 2 s" and outcome.returncode is None
     assert pids(outcome.text) and not any(alive(pid) for pid in pids(outcome.text))
-    verdict = crash_entries.verdict("resumed", outcome)
+    verdict = drill_runs.verdict("resumed", outcome)
     assert verdict.startswith("resumed run stopped by the drill: no exit within 2 s (before its first iteration);")
     assert "last log lines: $ " in verdict and "pid" in verdict  # the log is a file, there from the start
     assert (tmp_path / "run.log").read_text() == outcome.text
@@ -81,13 +82,13 @@ def test_a_child_that_sleeps_forever_ends_at_its_bound_with_a_verdict(tmp_path: 
 def test_a_launcher_whose_child_ignores_sigterm_in_its_own_session_is_killed_whole(tmp_path: Path) -> None:
     command = [sys.executable, "-c", LAUNCHER, STUBBORN_CHILD]
     start = time.monotonic()
-    outcome = crash_entries.run_bounded(command, tmp_path / "run.log", bound_s=3)
+    outcome = drill_runs.run_bounded(command, tmp_path / "run.log", bound_s=3)
     assert time.monotonic() - start < 3 + 5
     launcher, child = pids(outcome.text)
     assert f"session {child}" in outcome.text  # out of the launcher's group: killpg alone would miss it
     assert not alive(launcher) and not alive(child)
     assert {int(line.split()[0]) for line in outcome.killed} >= {launcher, child}
-    assert "(after iteration 12)" in crash_entries.verdict("killed", outcome)
+    assert "(after iteration 12)" in drill_runs.verdict("killed", outcome)
 
 
 def test_an_orphan_holding_the_output_pipe_would_hang_a_drill_that_reads_to_its_end(tmp_path: Path) -> None:
@@ -95,7 +96,7 @@ def test_an_orphan_holding_the_output_pipe_would_hang_a_drill_that_reads_to_its_
     script = tmp_path / "worker.py"
     script.write_text(KILLED_WORKER)
     token = "pipe-test"
-    env = {**os.environ, crash_entries.RUN_TOKEN: token}
+    env = {**os.environ, drill_runs.RUN_TOKEN: token}
     command = [*TORCHRUN, str(script)]
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -105,12 +106,12 @@ def test_an_orphan_holding_the_output_pipe_would_hang_a_drill_that_reads_to_its_
         while process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         assert process.poll() not in (None, 0)  # torchrun saw its worker die and exited
-        orphans = crash_entries.processes_of(token)
-        assert any("multiprocessing" in crash_entries.describe(pid) for pid in orphans)
+        orphans = drill_runs.processes_of(token)
+        assert any("multiprocessing" in drill_runs.describe(pid) for pid in orphans)
         with pytest.raises(subprocess.TimeoutExpired):
             process.communicate(timeout=3)  # subprocess.run(capture_output=True) waited here forever
     finally:
-        crash_entries.kill_run(process.pid, token)
+        drill_runs.kill_run(process.pid, token)
         process.communicate(timeout=30)
 
 
@@ -118,10 +119,10 @@ def test_a_killed_run_whose_orphans_outlive_it_comes_back_and_they_are_reaped(tm
     script = tmp_path / "worker.py"
     script.write_text(KILLED_WORKER)
     start = time.monotonic()
-    outcome = crash_entries.run_bounded([*TORCHRUN, str(script)], tmp_path / "run.log", bound_s=60, linger_s=1)
+    outcome = drill_runs.run_bounded([*TORCHRUN, str(script)], tmp_path / "run.log", bound_s=60, linger_s=1)
     assert time.monotonic() - start < 60
     assert outcome.stopped is None and outcome.returncode not in (None, 0)
-    assert crash_entries.CRASH_MARKER in outcome.text
+    assert drill_runs.CRASH_MARKER in outcome.text
     assert any("multiprocessing" in line for line in outcome.left_behind)  # reported, then killed
     assert not any(alive(int(line.split()[0])) for line in outcome.left_behind)
 
@@ -138,7 +139,10 @@ loading = "--load" in args
 mode = os.environ.get("OFFLOAD_CRASH_AT")
 kill_at = int(os.environ.get("OFFLOAD_CRASH_ITERATION", "0"))
 fake = os.environ.get("FAKE", "")
+offloaded = "--offload-optimizer-states" in args  # the control runs without it
 run = "resumed" if loading else ("killed" if mode else "uninterrupted")
+# A difference of megatron-core's own resume shows in both resumed runs; one of ours only with offloading.
+differs = loading and (fake == "megatron-difference" or (fake == "ours-differs" and offloaded))
 
 
 def hang():
@@ -149,7 +153,8 @@ def hang():
 def line(i):
     print(
         f" [2026-11-24 00:00:00] iteration {i:8d}/      20 | consumed samples: {8 * i:12d} | "
-        f"lm loss: {10 + i / 100:.6E} | loss scale: 1.0 | grad norm: {i}.25 | number of skipped iterations:   0 |",
+        f"lm loss: {10 + i / 100 + (0.5 if differs and i == 12 else 0):.6E} | "
+        f"loss scale: 1.0 | grad norm: {i}.25 | number of skipped iterations:   0 |",
         flush=True,
     )
 
@@ -160,7 +165,7 @@ def save_at(i, complete=True):
         directory.mkdir(parents=True)
         (directory / "__0_0.distcp").write_bytes(b"half a file")
         return
-    if fake:  # the hang cases need no real checkpoint
+    if fake not in ("", "megatron-difference", "ours-differs"):  # the hang cases need no real checkpoint
         directory.mkdir(parents=True, exist_ok=True)
         (directory / ".metadata").write_bytes(b"")
     else:
@@ -168,11 +173,15 @@ def save_at(i, complete=True):
         import torch.distributed.checkpoint as dcp
 
         state = {"model": {"w": torch.arange(6.0) * i}, "optimizer": {"exp_avg": torch.full((3,), i / 7)}}
+        state["rng"] = torch.tensor([int(differs and fake == "megatron-difference")], dtype=torch.uint8)
+        if differs and fake == "ours-differs":
+            state["optimizer"]["exp_avg"][1] = 1.0
         dcp.save(state, checkpoint_id=str(directory))
     (save / "latest_checkpointed_iteration.txt").write_text(str(i))
 
 
 def kill(where):
+    where = where if offloaded else where.split(",")[0] + " (no offloader attached)"
     print(f"megatron-offload crash drill: SIGKILL {where} (mode {mode}, iteration {kill_at})", flush=True)
     if fake == "killed-does-not-die":
         hang()
@@ -206,29 +215,55 @@ if run == "killed":
 '''
 
 
-def entry(tmp_path: Path, mode: str, fake: str, bounds: crash_entries.Bounds) -> tuple[list[str], dict, float]:
+def entry(tmp_path: Path, mode: str, fake: str, bounds: drill_runs.Bounds) -> tuple[list[str], dict, float]:
     """One crash entry with the stand-in driver: its failures, facts and seconds."""
+    verdict, facts, seconds = judged(tmp_path, mode, fake, bounds)
+    return verdict.failures, facts, seconds
+
+
+def judged(tmp_path: Path, mode: str, fake: str, bounds: drill_runs.Bounds) -> tuple:
+    """One crash entry with the stand-in driver: its verdict, facts and seconds."""
     driver = tmp_path / "fake_driver.py"
     driver.write_text(FAKE_DRIVER)
     drill = crash_entries.CrashDrill(tmp_path / "out", [sys.executable], bounds, driver=str(driver), args=[])
     start = time.monotonic()
     try:
-        _, failures, facts = drill.run_entry(f"crash-{mode}", mode, {"FAKE": fake})
+        _, verdict, facts = drill.run_entry(crash_entries.CrashEntry(f"crash-{mode}", mode), {"FAKE": fake})
     finally:
         drill.close()
-    return failures, facts, time.monotonic() - start
+    return verdict, facts, time.monotonic() - start
 
 
-QUICK = crash_entries.Bounds(run_s=4, after_kill_s=1, linger_s=0.5)
+QUICK = drill_runs.Bounds(run_s=4, after_kill_s=1, linger_s=0.5)
 
 
 def test_a_good_entry_passes_with_every_check_real(tmp_path: Path) -> None:
-    failures, facts, _ = entry(tmp_path, "checkpoint", "", crash_entries.Bounds(run_s=120, linger_s=0.5))
-    assert failures == []
-    assert facts["tracker_after_kill"] == 10 and facts["tracker_names_complete_save"]
-    assert facts["cut_short_after_kill"] == ["iter_0000015"] and facts["resumed_loaded"] == [10]
-    assert facts["tensors_compared"] == 2 and facts["left_behind_by_kill"] == []
-    assert (tmp_path / "out" / "crash-checkpoint-killed.log").exists()
+    verdict, facts, _ = judged(tmp_path, "checkpoint", "", drill_runs.Bounds(run_s=120, linger_s=0.5))
+    assert verdict.status == "pass" and verdict.failures == [], verdict.failures
+    for side in ("offloaded", "control-"):
+        assert facts[side]["tracker_after_kill"] == 10 and facts[side]["tracker_names_complete_save"]
+        assert facts[side]["cut_short_after_kill"] == ["iter_0000015"] and facts[side]["resumed_loaded"] == [10]
+        assert facts[side]["left_behind_by_kill"] == []
+    assert facts["differences"] == {"offloaded": {}, "control": {}}
+    assert "no offloader attached" in facts["control-"]["kill"] and "no offloader" not in facts["offloaded"]["kill"]
+    for run in ("uninterrupted", "killed", "resumed"):
+        assert (tmp_path / "out" / f"crash-checkpoint-{run}.log").exists()
+        assert (tmp_path / "out" / f"crash-checkpoint-control-{run}.log").exists()
+
+
+def test_a_difference_of_megatron_cores_resume_is_named_so_through_the_control(tmp_path: Path) -> None:
+    verdict, facts, _ = judged(tmp_path, "after-step", "megatron-difference", drill_runs.Bounds(run_s=120))
+    assert verdict.status == "megatron-core's difference" and verdict.failures == []
+    assert [d.split(":")[0] for d in verdict.megatron_core] == ["iteration 12 lm loss", "final checkpoint rng"]
+    assert facts["differences"]["offloaded"] == facts["differences"]["control"]
+
+
+def test_a_difference_only_with_offloading_fails(tmp_path: Path) -> None:
+    verdict, facts, _ = judged(tmp_path, "backward", "ours-differs", drill_runs.Bounds(run_s=120))
+    assert verdict.status == "FAIL" and verdict.megatron_core == []
+    assert [f.split(":")[0] for f in verdict.failures] == ["iteration 12 lm loss", "final checkpoint optimizer/exp_avg"]
+    assert all(f.endswith("the run without offloading resumed equal") for f in verdict.failures)
+    assert facts["differences"]["control"] == {}
 
 
 def test_a_killed_run_that_never_reaches_its_kill_point_is_reported_as_such(tmp_path: Path) -> None:
@@ -239,7 +274,7 @@ def test_a_killed_run_that_never_reaches_its_kill_point_is_reported_as_such(tmp_
 
 
 def test_a_killed_run_that_passes_its_kill_point_is_stopped_there_not_at_its_bound(tmp_path: Path) -> None:
-    bounds = crash_entries.Bounds(run_s=60, after_kill_s=1, linger_s=0.5)
+    bounds = drill_runs.Bounds(run_s=60, after_kill_s=1, linger_s=0.5)
     failures, _, seconds = entry(tmp_path, "backward", "killed-passes", bounds)
     expected = (
         "killed run stopped by the drill: it never reached its kill point (backward of iteration 13): "
@@ -273,16 +308,19 @@ def test_an_uninterrupted_run_that_hangs_is_named_and_not_run_again(tmp_path: Pa
     driver = tmp_path / "fake_driver.py"
     driver.write_text(FAKE_DRIVER)
     drill = crash_entries.CrashDrill(tmp_path / "out", [sys.executable], QUICK, driver=str(driver), args=[])
+    entries = [crash_entries.CrashEntry(f"crash-{mode}", mode) for mode in ("after-step", "backward")]
     try:
         start = time.monotonic()
-        first = drill.run_entry("crash-after-step", "after-step", {"FAKE": "uninterrupted-hangs"})[1]
-        second = drill.run_entry("crash-backward", "backward", {"FAKE": "uninterrupted-hangs"})[1]
+        first = drill.run_entry(entries[0], {"FAKE": "uninterrupted-hangs"})[1].failures
+        second = drill.run_entry(entries[1], {"FAKE": "uninterrupted-hangs"})[1].failures
         seconds = time.monotonic() - start
     finally:
         drill.close()
     expected = "uninterrupted run stopped by the drill: no exit within 4 s (before its first iteration)"
-    assert first[0].startswith(expected) and second[0].startswith(expected)
-    assert seconds < QUICK.run_s + 4 * 3  # the hang was waited for once, its verdict given twice
+    control = "without offloading: control-uninterrupted run stopped by the drill: no exit within 4 s"
+    for failures in (first, second):
+        assert failures[0].startswith(expected) and any(f.startswith(control) for f in failures), failures
+    assert seconds < QUICK.run_s + 4 * 3  # the hangs were waited for once, at once, their verdicts given twice
 
 
 def test_the_drill_kills_its_run_when_it_is_interrupted_itself(tmp_path: Path) -> None:
@@ -296,18 +334,18 @@ def test_the_drill_kills_its_run_when_it_is_interrupted_itself(tmp_path: Path) -
         return None
 
     with pytest.raises(KeyboardInterrupt):
-        crash_entries.run_bounded([sys.executable, "-c", SLEEPER], tmp_path / "run.log", bound_s=30, watch=interrupt)
+        drill_runs.run_bounded([sys.executable, "-c", SLEEPER], tmp_path / "run.log", bound_s=30, watch=interrupt)
     assert seen and not alive(seen[0])
 
 
 DRILL = """
 import sys
 sys.path.insert(0, sys.argv[1])
-import crash_entries
+import drill_runs
 from pathlib import Path
 
-crash_entries.exit_on_sigterm()
-crash_entries.run_bounded([sys.executable, "-c", sys.argv[3]], Path(sys.argv[2]), bound_s=120)
+drill_runs.exit_on_sigterm()
+drill_runs.run_bounded([sys.executable, "-c", sys.argv[3]], Path(sys.argv[2]), bound_s=120)
 """
 
 
@@ -315,7 +353,7 @@ def test_a_drill_ended_with_sigterm_takes_its_run_with_it(tmp_path: Path) -> Non
     """``timeout`` or a scheduler ends the drill with SIGTERM: the run under way (in a session of its own,
     which no signal to the drill's group reaches) is killed on the way out."""
     log = tmp_path / "run.log"
-    scripts = str(Path(crash_entries.__file__).parent)
+    scripts = str(Path(drill_runs.__file__).parent)
     drill = subprocess.Popen([sys.executable, "-c", DRILL, scripts, str(log), SLEEPER])
     deadline = time.monotonic() + 30
     while not (log.exists() and pids(log.read_text())) and time.monotonic() < deadline:

@@ -4,15 +4,19 @@ moment: the crash entries of scripts/integration.py run it, then resume from wha
     OFFLOAD_CRASH_AT=after-step|backward|checkpoint OFFLOAD_CRASH_ITERATION=13 \\
         torchrun --standalone --nproc-per-node 1 tests/gpu/crash_driver.py --config configs/tiny.yaml ...
 
-- ``after-step``: right after the optimizer step of that iteration returns, while its copies to host
-  are still in flight (the pending GPU bytes are printed, and must be > 0);
-- ``backward``: inside the backward pacer's ``handle.prefetch`` of that iteration, after it started
-  copies of state back to the GPU;
+- ``after-step``: right after the optimizer step of that iteration returns; with offloading, while its
+  copies to host are still in flight (the pending GPU bytes are printed, and must be > 0);
+- ``backward``: inside the backward of that iteration; with offloading, in the backward pacer's
+  ``handle.prefetch``, after it started copies of state back to the GPU; without (the control run of a
+  crash entry), in a hook on the model's output tensor, which autograd runs as backward starts;
 - ``checkpoint``: while the checkpoint saved after that iteration is being written, after the first
   file of it was written and before its metadata and ``latest_checkpointed_iteration.txt``.
-Without ``OFFLOAD_CRASH_AT`` it is pretrain_gpt.py unchanged. Every wrap is made here, on instances and
-on Megatron's classes, never in library code. Before the kill one line starting with ``CRASH_MARKER``
-says where it happened.
+Each kill point has a Megatron-level form that needs no offloader (the optimizer's step, a hook on the
+model, the checkpoint writer), so the same kill can be made in a run without offloading: the control
+that tells megatron-core's own resume differences from ours (scripts/crash_verdict.py). Without
+``OFFLOAD_CRASH_AT`` it is pretrain_gpt.py unchanged. Every wrap is made here, on instances and on
+Megatron's classes, never in library code. Before the kill one line starting with ``CRASH_MARKER`` says
+where it happened and through which hook.
 """
 
 import os
@@ -63,7 +67,10 @@ def wrap_optimizer(optimizer: Any) -> None:
         result = step(*args, **kwargs)
         steps_done += 1
         if MODE == "after-step" and steps_done == ITERATION:
-            pending = sum(method(h, "pending_offload_bytes", "pending_out_bytes")() for h in attached_handles())
+            handles = attached_handles()
+            if not handles:
+                kill(f"after the step of iteration {steps_done} (no offloader attached: the optimizer's step)")
+            pending = sum(method(h, "pending_offload_bytes", "pending_out_bytes")() for h in handles)
             kill(f"after the step of iteration {steps_done}, pending copy-out bytes {pending}")
         return result
 
@@ -82,6 +89,23 @@ def wrap_prefetch(owner: Any) -> None:
         return started
 
     owner.prefetch = prefetch_then_maybe_kill
+
+
+def hook_model_backward(model_chunks: list[Any]) -> None:
+    """The backward kill point without an offloader: a hook on each model chunk's output tensor, run by
+    autograd as the backward of that output starts (the first micro-batch's backward of the iteration)."""
+
+    def kill_in_backward(grad: Any) -> Any:
+        if steps_done + 1 == ITERATION and in_backward():
+            kill(f"inside the backward of iteration {steps_done + 1} (no offloader attached: a hook on the model)")
+        return grad
+
+    def on_output(module: Any, inputs: Any, output: Any) -> None:
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(kill_in_backward)
+
+    for chunk in model_chunks:
+        chunk.register_forward_hook(on_output)
 
 
 def wrap_checkpoint_writer() -> None:
@@ -112,6 +136,8 @@ def main() -> None:
             for handle in attached_handles():
                 for owner in [handle, *handle.offloaders]:
                     wrap_prefetch(owner)
+            if MODE == "backward" and not attached_handles():
+                hook_model_backward(kwargs["model_chunks"] if "model_chunks" in kwargs else args[1])
         return optimizer
 
     training.get_megatron_optimizer = get_optimizer_and_arm

@@ -1,10 +1,14 @@
 """Host-memory drills on a GPU machine (the CPU suite runs their library side in tests/test_host_memory.py):
 
     python tests/gpu/host_memory_drill.py --out results/host-memory     # exit 0 when every case passed
+    python tests/gpu/host_memory_drill.py --out DIR --only short-at-start   # one drill (or named cases)
 
-Each case is recorded in ``host-memory.json``: whether it passed, its failures, the message as the user
-sees it (the warning or the error line of the log), what was checked to be intact, its seconds and its log.
-Every child runs under crash_entries.run_bounded: a case that hangs ends with a verdict, never a wait.
+The drills (host_memory_verdicts.DRILLS): ``short-at-start`` (cases 3, 5), ``short-while-pinning`` (1, 2,
+4), ``short-during-save`` (6). ``DIR/host-memory.json`` holds each case (whether it passed, its failures,
+its ``verdict`` line, the message as the user sees it: the warning or the error line of the log, what was
+checked to be intact, its seconds and its log), each drill's verdict and the run's ``verdict``; the
+drill prints one line per drill last. Every child runs under drill_runs.run_bounded: a case that hangs
+ends with a verdict, never a wait.
 
 Through the library API, in one child (``--api``; tests/gpu/harness.py's bf16 GPT on one GPU, 67M params):
 1. ``slab-pinned``: a HostSlab of 256 MiB is pinned here; ``slab-pin-refused-raises``: with pinning refused,
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import gc
 import json
 import os
@@ -45,6 +50,7 @@ import shutil
 import sys
 import tempfile
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -53,8 +59,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
-import crash_entries  # noqa: E402  (scripts/: the bounded runner and the checkpoint readers)
+import drill_checkpoints  # noqa: E402  (scripts/: the checkpoint readers)
+import drill_runs  # noqa: E402  (scripts/: the bounded runner)
 from memory_report import last_error_line  # noqa: E402
+
+from tests.gpu.host_memory_verdicts import API_CASES, add_verdicts, lines, one_line, select  # noqa: E402
 
 TINY = ["--config", "configs/tiny.yaml", "--offload-optimizer-states"]
 RANKS = 4096  # node-too-small: the real MemAvailable, shared as if by this many ranks
@@ -91,8 +100,10 @@ def case(function: Callable[[], tuple[list[str], str, dict]]) -> dict[str, Any]:
     start = time.monotonic()
     try:
         failures, message, intact = function()
-    except Exception as error:  # the drill goes on with the next case
-        failures, message, intact = [f"the drill itself raised {type(error).__name__}: {error}"], "", {}
+    except Exception as error:  # the drill goes on with the next case, saying where this one broke
+        frame = traceback.extract_tb(error.__traceback__)[-1]
+        where = f"{Path(frame.filename).name}:{frame.lineno} ({frame.name})"
+        failures, message, intact = [f"the drill itself raised {type(error).__name__} at {where}: {error}"], "", {}
     return {
         "passed": not failures,
         "failures": failures,
@@ -183,7 +194,7 @@ def slab_cases() -> dict[str, dict]:
             host_memory.HostSlab(1024 * 2**20, torch.uint8, pin=True, on_pin_failure="raise")
         except HostMemoryError as error:
             failures = [] if "could not pin 1.00 GiB" in str(error) else ["the error does not name 1.00 GiB"]
-            return failures, str(error), {}
+            return failures + one_line(str(error)), str(error), {}
         finally:
             host_memory._pin = original
         return ["no HostMemoryError"], "", {}
@@ -191,7 +202,7 @@ def slab_cases() -> dict[str, dict]:
     return {"slab-pinned": case(pinned), "slab-pin-refused-raises": case(refused_raises)}
 
 
-def attach_cases(shape: Any, reference: dict[str, Any]) -> dict[str, dict]:
+def attach_cases(shape: Any, reference: dict[str, Any], cases: list[str]) -> dict[str, dict]:
     import torch
 
     from megatron_offload import HostMemoryError, attach_offloader
@@ -249,9 +260,10 @@ def attach_cases(shape: Any, reference: dict[str, Any]) -> dict[str, dict]:
         warned = [str(w.message) for w in caught if "could not pin" in str(w.message)]
         if error is not None:
             intact["told_by"] = "HostMemoryError at attach"
-            return after_failed_attach(training, before, masters, intact), str(error), intact
-        failures = [] if warned else ["attach said nothing of the pinning it was refused"]
+            return one_line(str(error)) + after_failed_attach(training, before, masters, intact), str(error), intact
+        failures = [] if len(warned) == 1 else [f"attach warned {len(warned)} times of the pinning it was refused"]
         message = " ".join(warned)
+        failures += one_line(message, "the warning")
         intact["told_by"] = "a warning at attach"
         if warned and "Measured here" not in message:
             failures.append("the warning does not say what pageable copies cost here")
@@ -278,38 +290,44 @@ def attach_cases(shape: Any, reference: dict[str, Any]) -> dict[str, dict]:
             handle.detach()
             return ["attach succeeded although the host refused 64 MiB more"], "", intact
         message = f"{type(error).__name__}: {error}"
-        failures = []
+        failures = one_line(message)
         if not isinstance(error, HostMemoryError) or "could not allocate" not in str(error):
             failures.append("not a HostMemoryError saying the host could not allocate the state")
         return failures + after_failed_attach(training, before, masters, intact), message, intact
 
-    results = {"pin-refused-at-attach": case(pin_refused)}
-    gc.collect()
-    torch.cuda.empty_cache()
-    results["allocation-refused-at-attach"] = case(allocation_refused)
+    attach = {"pin-refused-at-attach": pin_refused, "allocation-refused-at-attach": allocation_refused}
+    results = {}
+    for name, function in attach.items():
+        if name in cases:
+            gc.collect()
+            torch.cuda.empty_cache()
+            results[name] = case(function)
     return results
 
 
-def api_main(out_json: Path) -> int:
-    """The API cases in this process (a child of the drill, under its bound)."""
+def api_main(out_json: Path, cases: list[str]) -> int:
+    """The API cases asked for, in this process (a child of the drill, under its bound)."""
     import megatron.core
     import torch
 
     from tests.gpu import harness
 
     harness.init_distributed()
-    shape = harness.GPTShape(
-        num_layers=4, hidden_size=1024, num_attention_heads=8, ffn_hidden_size=4096, vocab_size=16384
-    )
-    training = harness.build_gpt_training(shape)
-    train(training)
-    reference = snapshot(training)
-    del training
-    gc.collect()
+    found = {name: item for name, item in slab_cases().items() if name in cases}
+    if {"pin-refused-at-attach", "allocation-refused-at-attach"} & set(cases):
+        shape = harness.GPTShape(
+            num_layers=4, hidden_size=1024, num_attention_heads=8, ffn_hidden_size=4096, vocab_size=16384
+        )
+        training = harness.build_gpt_training(shape)
+        train(training)
+        reference = snapshot(training)
+        del training
+        gc.collect()
+        found |= attach_cases(shape, reference, cases)
     results = {
         "device": torch.cuda.get_device_name(),
         "versions": {"torch": torch.__version__, "megatron-core": megatron.core.__version__},
-        "cases": slab_cases() | attach_cases(shape, reference),
+        "cases": found,
     }
     out_json.write_text(json.dumps(results, indent=1))
     for name, item in results["cases"].items():
@@ -352,12 +370,12 @@ def run_in_megatron(name: str) -> None:
     pretrain_gpt.main()
 
 
-def megatron_run(name: str, args: list[str], out: Path) -> tuple[crash_entries.Outcome, list[str]]:
+def megatron_run(name: str, args: list[str], out: Path) -> tuple[drill_runs.Outcome, list[str]]:
     """One bounded torchrun of this file with ``--megatron NAME``: how it ended, and a failure if stopped."""
-    command = [*crash_entries.torchrun(1), "tests/gpu/host_memory_drill.py", "--megatron", name, *TINY, *args]
-    outcome = crash_entries.run_bounded(command, out / f"host-memory-{name}.log", bound_s=RUN_BOUND_S, cwd=ROOT)
+    command = [*drill_runs.torchrun(1), "tests/gpu/host_memory_drill.py", "--megatron", name, *TINY, *args]
+    outcome = drill_runs.run_bounded(command, out / f"host-memory-{name}.log", bound_s=RUN_BOUND_S, cwd=ROOT)
     print(f"[{name}] {'stopped: ' + outcome.stopped if outcome.stopped else f'exit {outcome.returncode}'}", flush=True)
-    return outcome, [crash_entries.verdict(name, outcome)] if outcome.stopped else []
+    return outcome, [drill_runs.verdict(name, outcome)] if outcome.stopped else []
 
 
 def line_with(text: str, *needles: str) -> str:
@@ -374,11 +392,12 @@ def worker_part(text: str) -> str:
 def pin_refused_megatron(out: Path) -> tuple[list[str], str, dict]:
     outcome, failures = megatron_run("pin-refused-megatron", ["--train-iters", "5"], out)
     text = outcome.text
-    intact = {"last_iteration": crash_entries.last_iteration(text)}
+    intact = {"last_iteration": drill_runs.last_iteration(text)}
     if not failures and outcome.returncode != 0:
         failures.append(f"exited {outcome.returncode}: {last_error_line(text)}")
     if "using pageable memory instead" not in text:
         failures.append("no warning that pinning was refused")
+    failures += one_line(line_with(text, "could not pin"), "the warning")
     if intact["last_iteration"] != 5:
         failures.append(f"the run did not reach iteration 5 ({intact['last_iteration']})")
     return failures, line_with(text, "could not pin"), intact
@@ -390,7 +409,7 @@ def node_too_small(out: Path) -> tuple[list[str], str, dict]:
     message = line_with(text, "rank(s) on this node")
     intact = {
         "model_built_before_refusal": bool(MODEL_BUILT.search(text)),
-        "iterations_run": crash_entries.last_iteration(text),
+        "iterations_run": drill_runs.last_iteration(text),
         "traceback_shown": "Traceback (most recent call last)" in worker_part(text),
     }
     if not failures and outcome.returncode == 0:
@@ -404,6 +423,8 @@ def node_too_small(out: Path) -> tuple[list[str], str, dict]:
         failures.append(f"refused only after iteration {intact['iterations_run']}")
     if intact["model_built_before_refusal"]:
         failures.append("refused only after the model was built (Megatron's parameter count is in the log)")
+    if intact["traceback_shown"]:
+        failures.append("the refusal came with a traceback, not one line")
     return failures, message, intact
 
 
@@ -411,7 +432,7 @@ def node_too_small_check_off(out: Path) -> tuple[list[str], str, dict]:
     # 3 iterations: tiny.yaml's 2 warm-up iterations must be fewer than the run's (Megatron asserts so).
     args = ["--train-iters", "3", "--no-offload-host-memory-check"]
     outcome, failures = megatron_run("node-too-small-check-off", args, out)
-    intact = {"last_iteration": crash_entries.last_iteration(outcome.text)}
+    intact = {"last_iteration": drill_runs.last_iteration(outcome.text)}
     if not failures and (outcome.returncode != 0 or intact["last_iteration"] != 3):
         failures.append(f"with the check off the run did not train 3 iterations: {last_error_line(outcome.text)}")
     return failures, "", intact
@@ -425,15 +446,15 @@ def host_short_during_save(out: Path, scratch: Path) -> tuple[list[str], str, di
     text = outcome.text
     last = SHORT_AT - SAVE_INTERVAL
     intact: dict[str, Any] = {
-        "tracker": crash_entries.last_complete_iteration(save),
-        "tracked_save_complete": crash_entries.is_complete(save / f"iter_{last:07d}"),
-        "cut_short": crash_entries.cut_short(save),
+        "tracker": drill_checkpoints.last_complete_iteration(save),
+        "tracked_save_complete": drill_checkpoints.is_complete(save / f"iter_{last:07d}"),
+        "cut_short": drill_checkpoints.cut_short(save),
     }
     if not failures and outcome.returncode == 0:
         failures.append("the run ended well: the host's refusal was not provoked")
     if HOST_REFUSED not in text:
         failures.append(f"no {HOST_REFUSED!r} in the log")
-    if crash_entries.last_iteration(text) != SHORT_AT:
+    if drill_runs.last_iteration(text) != SHORT_AT:
         failures.append(f"the run did not reach iteration {SHORT_AT} before its save")
     if intact["tracker"] != last or not intact["tracked_save_complete"]:
         failures.append(f"the tracker names {intact['tracker']}, not the complete save of iteration {last}")
@@ -446,7 +467,7 @@ def host_short_during_save(out: Path, scratch: Path) -> tuple[list[str], str, di
     ]
     if intact["resumed_loaded"] != [last]:
         failures.append(f"the resumed run loaded {intact['resumed_loaded']}, not iteration {last}")
-    before, after = (crash_entries.losses_and_grad_norms(t) for t in (text, resumed.text))
+    before, after = (drill_checkpoints.losses_and_grad_norms(t) for t in (text, resumed.text))
     wanted = list(range(last + 1, SHORT_AT + 1))
     same_norms = sorted(after) == wanted and all(before.get(i, (0, 0))[1] == after[i][1] for i in wanted)
     same_losses = all(before.get(i, (0, 0))[0] == after.get(i, (1, 1))[0] for i in wanted[1:])
@@ -463,28 +484,21 @@ def main() -> int:
         run_in_megatron(name)
         return 0
     if len(sys.argv) > 2 and sys.argv[1] == "--api":
-        return api_main(Path(sys.argv[2]))
+        return api_main(Path(sys.argv[2]), sys.argv[3:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "host-memory-results")
+    parser.add_argument("--only", nargs="*", metavar="DRILL_OR_CASE", help="drills or cases (default: all)")
     args = parser.parse_args()
-    crash_entries.exit_on_sigterm()
+    try:
+        cases = select(args.only)
+    except ValueError as error:
+        parser.error(str(error))
+    drill_runs.exit_on_sigterm()
     args.out.mkdir(parents=True, exist_ok=True)
-    api_json = args.out / "host-memory-api.json"
-    api_json.unlink(missing_ok=True)
-    command = [sys.executable, "tests/gpu/host_memory_drill.py", "--api", str(api_json.resolve())]
-    api = crash_entries.run_bounded(command, args.out / "host-memory-api.log", bound_s=API_BOUND_S, cwd=ROOT)
-    if api_json.exists():
-        report = json.loads(api_json.read_text())
-        api_json.unlink()
-    else:
-        why = (
-            crash_entries.verdict("api", api)
-            if api.stopped
-            else f"exited {api.returncode}: {last_error_line(api.text)}"
-        )
-        report = {"cases": {"api": {"passed": False, "failures": [f"the API cases did not finish: {why}"]}}}
-    for item in report["cases"].values():
-        item["log"] = "host-memory-api.log"
+    report: dict[str, Any] = {"cases": {}}
+    api_cases = [name for name in cases if name in API_CASES]
+    if api_cases:
+        report = run_api_cases(args.out, api_cases)
     megatron_cases: dict[str, Callable[[], tuple[list[str], str, dict]]] = {
         "pin-refused-megatron": lambda: pin_refused_megatron(args.out),
         "node-too-small": lambda: node_too_small(args.out),
@@ -494,16 +508,37 @@ def main() -> int:
     logs = {"host-short-during-save": "host-memory-host-short-during-save.log, host-memory-host-short-resumed.log"}
     scratch = Path(tempfile.mkdtemp(prefix="offload-host-memory-"))
     try:
-        for name, function in megatron_cases.items():
-            report["cases"][name] = case(function) | {"log": logs.get(name, f"host-memory-{name}.log")}
-            # Written after every case, so a drill cut short by a time limit keeps what it finished.
-            report["passed"] = all(item["passed"] for item in report["cases"].values())
-            (args.out / "host-memory.json").write_text(json.dumps(report, indent=1))
+        # Written before and after every case, so a drill cut short by a time limit keeps what it finished.
+        (args.out / "host-memory.json").write_text(json.dumps(add_verdicts(copy.deepcopy(report), cases), indent=1))
+        for name in (name for name in cases if name in megatron_cases):
+            report["cases"][name] = case(megatron_cases[name]) | {"log": logs.get(name, f"host-memory-{name}.log")}
+            (args.out / "host-memory.json").write_text(json.dumps(add_verdicts(copy.deepcopy(report), cases), indent=1))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    for name, item in report["cases"].items():
-        print(f"{name:30} {'ok' if item['passed'] else 'FAIL: ' + '; '.join(item['failures'])}")
+    report = add_verdicts(report, cases)
+    (args.out / "host-memory.json").write_text(json.dumps(report, indent=1))
+    for name in cases:
+        print(f"{name:30} {report['cases'][name]['verdict']}")
+    print("\n".join(lines(report)))
     return 0 if report["passed"] else 1
+
+
+def run_api_cases(out: Path, cases: list[str]) -> dict[str, Any]:
+    """The API cases in one bounded child: its report, or one failing case per case asked for."""
+    api_json = out / "host-memory-api.json"
+    api_json.unlink(missing_ok=True)
+    command = [sys.executable, "tests/gpu/host_memory_drill.py", "--api", str(api_json.resolve()), *cases]
+    api = drill_runs.run_bounded(command, out / "host-memory-api.log", bound_s=API_BOUND_S, cwd=ROOT)
+    if api_json.exists():
+        report = json.loads(api_json.read_text())
+        api_json.unlink()
+    else:
+        why = drill_runs.verdict("api", api) if api.stopped else f"exited {api.returncode}: {last_error_line(api.text)}"
+        failure = {"passed": False, "failures": [f"the API cases did not finish: {why}"]}
+        report = {"cases": {name: dict(failure) for name in cases}}
+    for item in report["cases"].values():
+        item["log"] = "host-memory-api.log"
+    return report
 
 
 if __name__ == "__main__":
