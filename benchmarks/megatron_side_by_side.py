@@ -58,7 +58,7 @@ from megatron_offload.config.files import expand_config_argv, needs_one_connecti
 from megatron_offload.core.units import cap_below_peak  # noqa: E402
 
 OFFLOAD = ["--offload-optimizer-states"]
-# Upstream's offloader (Megatron-LM dev, ChunkedOptimizerStateOffloader), as issue 20 ran it. Its
+# Upstream's offloader (Megatron-LM dev, ChunkedOptimizerStateOffloader), with 512 MiB chunks. Its
 # --offload-optimizer-states is a deprecated spelling of the same switch with chunk size 0: never given.
 UPSTREAM_OFFLOAD = ["--chunked-optimizer-state-offload", "--optimizer-state-offload-chunk-size-mb", "512"]
 # Megatron's torch.profiler schedule: iterations 7 and 8 recorded, well past start-up and auto's
@@ -159,7 +159,7 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-# The acceptance matrix of issues 13 and 20, per log interval: (name, offload flags, cap as a share of the
+# The acceptance matrix, per log interval: (name, offload flags, cap as a share of the
 # state taken off the no-offload peak; None: uncapped). The capped no-offload runs are meant to fail.
 MATRIX = (
     ("no offload", None, None),
@@ -441,9 +441,9 @@ def main() -> int:
     parser.add_argument("--profile-only", action="store_true", help="only the profiled runs (with --profile)")
     parser.add_argument("--window-ms", type=float, default=25.0, help="the trace comparison's window")
     parser.add_argument("--global-batch", type=int, help="--global-batch-size of every run (default: the config's)")
-    sweep = parser.add_argument_group("the memory-speed curve (--sweep; memory_speed_curve.py)")
-    sweep.add_argument("--sweep", action="store_true", help="the cap sweep, not the matrix: curve.json, curve.png")
-    sweep.add_argument(
+    curves = parser.add_argument_group("the memory-speed curve (--sweep; memory_speed_curve.py)")
+    curves.add_argument("--sweep", action="store_true", help="the cap sweep, not the matrix: curve.json, curve.png")
+    curves.add_argument(
         "--caps",
         type=int,
         nargs="+",
@@ -451,20 +451,20 @@ def main() -> int:
         metavar="PERCENT",
         help="caps: the no-offload peak reserved less these percents of the state (run in this order)",
     )
-    sweep.add_argument(
+    curves.add_argument(
         "--link-gbps",
         type=float,
         default=curve.DEFAULT_LINK_GBPS,
         help="the host link for the floor when no run logs one (GB/s)",
     )
-    sweep.add_argument(
+    curves.add_argument(
         "--first-forward-ms",
         type=float,
         help="the first micro-batch's forward for the floor "
         "(default: a third of a micro-batch's share of the no-offload iteration)",
     )
-    sweep.add_argument("--state-gib", type=float, help="the state per rank (default: 12 bytes a parameter)")
-    sweep.add_argument("--run-every-cell", action="store_true",
+    curves.add_argument("--state-gib", type=float, help="the state per rank (default: 12 bytes a parameter)")
+    curves.add_argument("--run-every-cell", action="store_true",
                        help="run no offload under every cap, also where its uncapped run tells")  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROOT / "side-by-side")
     parser.add_argument("extra", nargs="*", help="more Megatron flags for every run (after --)")

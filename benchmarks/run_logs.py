@@ -31,12 +31,17 @@ def _own_lines(text: str) -> list[str]:
             lines = lines[:index]
             break
     own = [_RANK_PREFIX.sub("", line.strip()) for line in lines]
-    return [line for line in own if line and not _SEPARATOR.match(line) and not _AGENT_LINE.match(line)]
+    return [
+        line
+        for line in own
+        if line and not _SEPARATOR.match(line) and not _AGENT_LINE.match(line) and not line.startswith("$ ")
+    ]
 
 
 def failure_reason(text: str) -> str:
     """The most telling line of a failed job's log: its last exception (not torchrun's ChildFailedError),
-    else its last meaningful line (never a separator), else "empty log"."""
+    else its last meaningful line (never a separator nor the command the log opens with), else torchrun's
+    "SCRIPT FAILED", else "empty log"."""
     lines = _own_lines(text)
     exceptions = [line for line in lines if _EXCEPTION.search(line) and "ChildFailedError" not in line]
     if exceptions:
@@ -44,7 +49,8 @@ def failure_reason(text: str) -> str:
     if lines:
         return lines[-1][:300]
     rest = [line.strip() for line in text.splitlines() if line.strip() and not _SEPARATOR.match(line)]
-    return (rest or ["empty log"])[-1][:300]
+    failed = [line for line in rest if line.endswith(" FAILED")]  # torchrun's "SCRIPT FAILED": nothing better
+    return (failed or rest or ["empty log"])[-1][:300]
 
 
 def did_not_fit(reason: str) -> bool:
