@@ -23,8 +23,19 @@ offload, prefetch step and, with upstream, its two rows) at the first log interv
 (``trace_summary.py``: compute-stream busy time and its share where copies run). Profiled iterations
 run slower: their times are never the ms/iter of the table. ``--profile-only`` runs just those.
 
+``--sweep`` (memory_speed_curve.py) runs the memory-speed curve instead of the matrix: caps at the
+no-offload peak reserved less ``--caps`` percents of the state, 12 iterations a run, ms/iter the median
+of iterations 3-12; ``--global-batch 8`` (4 micro-batches of 2) or 32 (16). Runs: one uncapped no
+offload, one uncapped upstream, ours twice per cap (no offload and upstream under a cap follow from their
+uncapped runs). Estimate on one H100, start-up ~25 s (no offload), ~45-50 s (offloading) a run:
+global batch 8, caps 90 50 0: 8 runs, ~8 min; all five caps: 12 runs, ~12 min (over one 10-minute call:
+run ``--caps 75 25`` as a second call); global batch 32, caps 90 50: 6 runs, ~8 min. Each run's JSON
+and plot are written as it ends, so a call cut off still leaves the caps done. When nothing can run (no
+CUDA GPU, no Megatron-LM script at ``--megatron-lm``, no megatron.training) it stops at once, one line.
+
     python benchmarks/megatron_side_by_side.py --megatron-lm PATH [--upstream-megatron-lm PATH]
         [--log-intervals 1 5] [--only NAME ...] [--profile [NAME ...]] [--profile-only]
+    python benchmarks/megatron_side_by_side.py --megatron-lm PATH --sweep --global-batch 8 --caps 90 50 0
 """
 
 from __future__ import annotations
