@@ -92,7 +92,7 @@ def offloader_run(state_gb: float, prefetch: str, small: torch.Tensor, repeats: 
     }
 
 
-READ_WAIT_LIMIT_MS = 5.0  # issue 13's bar for a 4-byte read right after a step that offloads >= 8 GB
+READ_WAIT_LIMIT_MS = 5.0  # the bar for a 4-byte read right after a step that offloads >= 8 GB
 
 
 def main() -> int:

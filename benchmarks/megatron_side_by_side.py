@@ -23,8 +23,19 @@ offload, prefetch step and, with upstream, its two rows) at the first log interv
 (``trace_summary.py``: compute-stream busy time and its share where copies run). Profiled iterations
 run slower: their times are never the ms/iter of the table. ``--profile-only`` runs just those.
 
+``--sweep`` (memory_speed_curve.py) runs the memory-speed curve instead of the matrix: caps at the
+no-offload peak reserved less ``--caps`` percents of the state, 12 iterations a run, ms/iter the median
+of iterations 3-12; ``--global-batch 8`` (4 micro-batches of 2) or 32 (16). Runs: one uncapped no
+offload, one uncapped upstream, ours twice per cap (no offload and upstream under a cap follow from their
+uncapped runs). Estimate on one H100, start-up ~25 s (no offload), ~45-50 s (offloading) a run:
+global batch 8, caps 90 50 0: 8 runs, ~8 min; all five caps: 12 runs, ~12 min (over one 10-minute call:
+run ``--caps 75 25`` as a second call); global batch 32, caps 90 50: 6 runs, ~8 min. Each run's JSON
+and plot are written as it ends, so a call cut off still leaves the caps done. When nothing can run (no
+CUDA GPU, no Megatron-LM script at ``--megatron-lm``, no megatron.training) it stops at once, one line.
+
     python benchmarks/megatron_side_by_side.py --megatron-lm PATH [--upstream-megatron-lm PATH]
         [--log-intervals 1 5] [--only NAME ...] [--profile [NAME ...]] [--profile-only]
+    python benchmarks/megatron_side_by_side.py --megatron-lm PATH --sweep --global-batch 8 --caps 90 50 0
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ import statistics
 import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,16 +58,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
-from memory_report import GIB, MIB, last_error_line, parse_log  # noqa: E402
+import memory_speed_curve as curve  # noqa: E402
+from memory_report import GIB, MIB, parse_log  # noqa: E402
+from run_logs import did_not_fit, failure_reason, logged_link_gbps  # noqa: E402
 from trace_summary import TraceError, load_trace  # noqa: E402
 from trace_summary import compare as compare_traces  # noqa: E402
 from trace_summary import table as trace_table  # noqa: E402
 
-from megatron_offload.config.files import expand_config_argv, needs_one_connection  # noqa: E402
+from megatron_offload.config.files import expand_config_argv, needs_one_connection, preflight  # noqa: E402
 from megatron_offload.core.units import cap_below_peak  # noqa: E402
 
 OFFLOAD = ["--offload-optimizer-states"]
-# Upstream's offloader (Megatron-LM dev, ChunkedOptimizerStateOffloader), as issue 20 ran it. Its
+# Upstream's offloader (Megatron-LM dev, ChunkedOptimizerStateOffloader), with 512 MiB chunks. Its
 # --offload-optimizer-states is a deprecated spelling of the same switch with chunk size 0: never given.
 UPSTREAM_OFFLOAD = ["--chunked-optimizer-state-offload", "--optimizer-state-offload-chunk-size-mb", "512"]
 # Megatron's torch.profiler schedule: iterations 7 and 8 recorded, well past start-up and auto's
@@ -71,14 +85,19 @@ def run(name: str, argv: list[str], gpus: int, out: Path, env_extra: dict[str, s
     if needs_one_connection(argv):
         env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # megatron-core requires it with TP or CP > 1
     print(f"[{name}] {' '.join(argv)}", flush=True)
+    started = time.monotonic()
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     text = result.stdout + result.stderr
     prefix = "".join(f"{key}={value} " for key, value in (env_extra or {}).items())
     (out / f"{name}.log").write_text("$ " + prefix + " ".join(command) + "\n" + text)
     log = parse_log(text)
-    figures: dict[str, Any] = {"argv": argv, "returncode": result.returncode}
+    figures: dict[str, Any] = {"argv": argv, "returncode": result.returncode, "wall_s": time.monotonic() - started}
+    if log.parameters:  # Megatron's count on each model-parallel rank: the state is 12 bytes a parameter
+        figures["parameters"] = max(log.parameters.values())
     if result.returncode != 0 or not log.steps:
-        return figures | {"error": last_error_line(text)}
+        reason = failure_reason(text)
+        print(f"[{name}] did not run: {reason}", flush=True)
+        return figures | {"error": reason, "did_not_fit": did_not_fit(reason)}
     iterations = sorted(log.steps)
     steady = iterations[1:] or iterations  # the first interval holds the first, slow iterations
     last = log.steps[iterations[-1]]
@@ -86,15 +105,24 @@ def run(name: str, argv: list[str], gpus: int, out: Path, env_extra: dict[str, s
         "losses": {i: log.steps[i].loss for i in iterations},
         "step_ms": statistics.median(log.steps[i].step_ms for i in steady),
         "step_ms_per_interval": [log.steps[i].step_ms for i in iterations],
+        "step_ms_by_iteration": {i: log.steps[i].step_ms for i in iterations},
         "offloaded_GiB": last.offloaded_gib,
         "exposed_ms": last.exposed_ms,
         "copy_out_in_ms": [last.copy_out_ms, last.copy_in_ms],
     }
+    wanted = ("micro_batch_size", "global_batch_size", "data_parallel_size")
+    figures["megatron_args"] = {key: log.args[key] for key in wanted if key in log.args}
+    if link := logged_link_gbps(text):
+        figures["link_GBps"] = link
     rank = log.memory_rank
     if rank is not None:
         memory = log.memory[rank][max(log.memory[rank])]
         figures["peak_allocated_GiB"] = memory.max_allocated * MIB / GIB
         figures["peak_reserved_GiB"] = memory.max_reserved * MIB / GIB
+    ours = [(s.peak_allocated_gib, s.peak_reserved_gib) for s in log.steps.values() if s.peak_reserved_gib is not None]
+    if ours:  # our log line's peaks per iteration: the run's peak, wherever Megatron's report fell
+        figures["peak_allocated_GiB"] = max(figures.get("peak_allocated_GiB", 0), *(a or 0 for a, _ in ours))
+        figures["peak_reserved_GiB"] = max(figures.get("peak_reserved_GiB", 0), *(r for _, r in ours))
     print(f"[{name}] {json.dumps({k: v for k, v in figures.items() if k not in ('argv', 'losses')})}", flush=True)
     return figures
 
@@ -142,7 +170,7 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-# The acceptance matrix of issues 13 and 20, per log interval: (name, offload flags, cap as a share of the
+# The acceptance matrix, per log interval: (name, offload flags, cap as a share of the
 # state taken off the no-offload peak; None: uncapped). The capped no-offload runs are meant to fail.
 MATRIX = (
     ("no offload", None, None),
@@ -357,6 +385,36 @@ def failures(results: dict[str, Any]) -> list[str]:
     return failed + [f"profiled: {name}" for name, figures in profiled.items() if "error" in figures]
 
 
+def nothing_can_run(args: argparse.Namespace) -> str | None:
+    """Why no run can start, in one line (no Megatron-LM script at the given path, a bad config file, no
+    megatron.training, no CUDA GPU); None when runs can start."""
+    if args.megatron_lm and not (args.megatron_lm / "pretrain_gpt.py").is_file():
+        return f"--megatron-lm {args.megatron_lm}: no pretrain_gpt.py there (a checkout of NVIDIA/Megatron-LM)"
+    return preflight(["--config", args.config])
+
+
+def sweep(args: argparse.Namespace, results: dict[str, Any], clients: dict[str, list[str]], env: dict) -> int:
+    """The memory-speed curve (memory_speed_curve.py): curve.json and curve.png under --out; status 1 when
+    one of our offload rows did not run or its losses differ from no offload's."""
+    estimate = curve.estimate_s(len(args.caps), (args.global_batch or 8) // 2, "upstream" in clients)
+    print(f"sweep: caps {args.caps}, about {estimate / 60:.1f} min ({1 + 2 * len(args.caps) + ('upstream' in clients)}"
+          " runs)", flush=True)  # fmt: skip
+    flags = {"ours": OFFLOAD, "upstream": UPSTREAM_OFFLOAD}
+    head = {key: results[key] for key in ("config", "client", "commit", "gpus", "upstream") if key in results}
+    result = curve.run_sweep(args, clients, env, run, flags, head)
+    if "error" in result:
+        (args.out / "curve.json").write_text(json.dumps(result, indent=1, default=str))
+        print(f"megatron_side_by_side: sweep stopped: {result['error']}")
+        return 1
+    (args.out / "curve.txt").write_text(curve.table(result))
+    print(curve.table(result), end="")
+    bad = [f"cap {p['percent']}%: {name}" for p in result["caps"] for name in curve.OURS
+           if p["rows"][name]["outcome"] != "ran" or p["rows"][name].get("losses_equal") is False]  # fmt: skip
+    if bad:
+        print(f"megatron_side_by_side: {len(bad)} of our runs did not run or differ in losses: {', '.join(bad)}")
+    return 1 if bad else 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--megatron-lm", type=Path, help="a Megatron-LM checkout: its pretrain_gpt.py is run")
@@ -393,16 +451,48 @@ def main() -> int:
     )
     parser.add_argument("--profile-only", action="store_true", help="only the profiled runs (with --profile)")
     parser.add_argument("--window-ms", type=float, default=25.0, help="the trace comparison's window")
+    parser.add_argument("--global-batch", type=int, help="--global-batch-size of every run (default: the config's)")
+    curves = parser.add_argument_group("the memory-speed curve (--sweep; memory_speed_curve.py)")
+    curves.add_argument("--sweep", action="store_true", help="the cap sweep, not the matrix: curve.json, curve.png")
+    curves.add_argument(
+        "--caps",
+        type=int,
+        nargs="+",
+        default=list(curve.DEFAULT_CAPS),
+        metavar="PERCENT",
+        help="caps: the no-offload peak reserved less these percents of the state (run in this order)",
+    )
+    curves.add_argument(
+        "--link-gbps",
+        type=float,
+        default=curve.DEFAULT_LINK_GBPS,
+        help="the host link for the floor when no run logs one (GB/s)",
+    )
+    curves.add_argument(
+        "--first-forward-ms",
+        type=float,
+        help="the first micro-batch's forward for the floor "
+        "(default: a third of a micro-batch's share of the no-offload iteration)",
+    )
+    curves.add_argument("--state-gib", type=float, help="the state per rank (default: 12 bytes a parameter)")
+    curves.add_argument("--run-every-cell", action="store_true",
+                       help="run no offload under every cap, also where its uncapped run tells")  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROOT / "side-by-side")
     parser.add_argument("extra", nargs="*", help="more Megatron flags for every run (after --)")
     args = parser.parse_args()
     if args.profile_only and args.profile is None:
         parser.error("--profile-only needs --profile")
+    problem = nothing_can_run(args)
+    if problem:
+        print(f"megatron_side_by_side: nothing can run: {problem}")
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
     if args.megatron_lm:  # Megatron-LM's own script, through our launcher
         client = ["-m", "megatron_offload.run", str(args.megatron_lm / "pretrain_gpt.py")]
     else:
         client = ["scripts/pretrain_gpt.py"]
+    if args.global_batch and not args.sweep:
+        args.extra = ["--global-batch-size", str(args.global_batch), *args.extra]
     clients = {"ours": [*client, "--config", args.config]}
     results: dict[str, Any] = {"config": args.config, "gpus": args.gpus, "client": client[-1], "runs": {}}
     results["commit"] = os.environ.get("MEGATRON_OFFLOAD_COMMIT", "unknown")
@@ -414,6 +504,8 @@ def main() -> int:
         results["upstream"] = {"path": str(upstream), "note": note, "env": env}
         clients["upstream"] = [str(upstream / "pretrain_gpt.py"), *expand_config_argv(["--config", args.config])]
         print(f"upstream: {results['upstream']['note']}; env {env}", flush=True)
+    if args.sweep:
+        return sweep(args, results, clients, env)
     if not args.profile_only:
         run_matrix(args, results, clients, env)
     if args.profile is not None:

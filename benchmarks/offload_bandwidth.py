@@ -8,7 +8,7 @@ step, as Megatron-LM's train_step reads a GPU value there. Time is taken after t
 ``--cap``: then again under a GPU memory cap of the no-offload peak less 90% of the state (as on a GPU
 too small for the model): no offload must fail, every policy must run under it.
 
-    PYTHONPATH=/tmp/site:. python benchmarks/offload_bandwidth.py --json results.json [--cap]
+    python benchmarks/offload_bandwidth.py --json results.json [--cap]
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from megatron_offload.core.gpu_memory import use_expandable_segments_by_default
 ALLOCATOR_NOTE = use_expandable_segments_by_default()  # before CUDA starts, as our entry points do
 
 import torch  # noqa: E402
+from gpt_training import GPTShape, GPTTraining, build_gpt_training, init_distributed, state_bytes  # noqa: E402
 
 from megatron_offload import attach_offloader  # noqa: E402
 from megatron_offload.core.host_memory import HostSlab  # noqa: E402
 from megatron_offload.core.units import cap_below_peak  # noqa: E402
-from tests.gpu.harness import GPTShape, GPTTraining, build_gpt_training, init_distributed, state_bytes  # noqa: E402
 
 GB, GIB = 1e9, 2**30
 
@@ -49,7 +49,8 @@ SHAPES = {
         seq_length=2048,
         micro_batch_size=16,
     ),  # fmt: skip
-    # issue 9's GPT (0.94B parameters, 10.5 GiB of state) with its batch: 4 micro-batches of 2 x 2048
+    # configs/gpt_0p9b.yaml's GPT (20 layers, hidden 1792; 0.94B parameters, 10.5 GiB of state) with its
+    # batch: 4 micro-batches of 2 x 2048
     "pretraining-0.9b": GPTShape(
         num_layers=20,
         hidden_size=1792,
@@ -229,7 +230,7 @@ def bench_shape(shape: GPTShape, steps: int, variants: list[str], cap: bool) -> 
 
 
 def acceptance(rows: dict[str, Any], pinned: dict[str, float]) -> dict[str, float]:
-    """The figures issue 5 judges ``auto`` by, from this run alone."""
+    """The figures ``auto`` prefetch is judged by, from this run alone."""
     names = ("auto", "no offload", "naive synchronous", "HybridDeviceOptimizer")
     auto, base, naive, hybrid = (rows[name] for name in names)
     one_transfer_s = auto["offloaded_GB"] / (pinned["both_GBps"] / 2)  # per direction, both running

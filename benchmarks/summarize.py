@@ -76,7 +76,8 @@ def probe_and_side_by_side(folder: Path) -> None:
 
 
 def trace_verdicts(folder: Path) -> None:
-    """Issue 20's trace bar per profiled offload run (the trace part, or side with --profile): one line
+    """The trace bar (busy time within 3%, busy share where copies run within 10%) per profiled offload run
+    (the trace part, or side with --profile): one line
     each, the worst iteration's figures, so the verdict needs no reading of the trace table."""
     for summaries in sorted(folder.glob("*/trace_summary.json")):
         print(f"\ntrace summary ({summaries.parent.name}/): compute-stream busy time and busy share where copies run, "

@@ -2,7 +2,7 @@
 of Megatron-LM iterations (``--profile --use-pytorch-profiler``), one without offloading and one with,
 compared per profiled iteration.
 
-Copies on side streams are free only if the compute stream stays as busy as without them. Issue 20's
+Copies on side streams are free only if the compute stream stays as busy as without them. The
 bar, on the compute stream (the stream with the most kernel time):
 
 - busy time per iteration within 3% of no offload's (either way: more is extra work, less is work
@@ -13,7 +13,7 @@ bar, on the compute stream (the stream with the most kernel time):
   same windows (same offsets from the start of the same profiled iteration). Being busier there costs
   nothing, so only a drop fails.
 
-Windows are aligned by time offset, as the issue defines them: where the offload iteration is longer,
+Windows are aligned by time offset, as the bar defines them: where the offload iteration is longer,
 its late windows have no counterpart: they are counted apart (``windows_beyond_base``, with the compute
 stream's busy share in them) and named in the verdict, not compared. Profiled
 iterations run slower than plain ones; the shares compare like with like, the times do not stand in
@@ -195,7 +195,7 @@ def compare(
     busy_tolerance: float = BUSY_TOLERANCE,
     share_tolerance: float = SHARE_TOLERANCE,
 ) -> dict[str, Any]:
-    """Issue 20's figures and verdict for one offload trace against the no-offload trace."""
+    """The bar's figures and verdict for one offload trace against the no-offload trace."""
     window = window_ms * 1e3
     iterations = []
     for base_step, step in _pairs(base, offload):

@@ -19,6 +19,12 @@ import megatron_side_by_side as side  # noqa: E402
 UPSTREAM_ROWS = [name for name, _ in side.UPSTREAM]
 
 
+@pytest.fixture(autouse=True)
+def runs_can_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The jobs are stood in for: the harness's check that a job could start (CUDA, megatron.training) passes."""
+    monkeypatch.setattr(side, "preflight", lambda argv: None)
+
+
 def fake_run(failing: set[str], step_ms: dict[str, float] | None = None, losses: dict[str, dict] | None = None):
     """Stand-in for one torchrun job: figures for a run that worked, an error for the named ones. A
     profiled job leaves a trace where Megatron would (TENSORBOARD_DIR/../torch_profile/rank-0.json.gz):
@@ -90,13 +96,16 @@ def test_our_rows_go_through_the_launcher_and_upstream_rows_through_upstreams_ow
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, upstream: Path
 ) -> None:
     fails = {"log1-cap-90-no-offload", "log1-cap-50-no-offload"}
-    args = ["--megatron-lm", "ml", "--upstream-megatron-lm", str(upstream), "--out", str(tmp_path / "o"),
-            "--log-intervals", "1"]  # fmt: skip
+    (tmp_path / "ml").mkdir()
+    (tmp_path / "ml" / "pretrain_gpt.py").write_text("")
+    script = str(tmp_path / "ml" / "pretrain_gpt.py")
+    args = ["--megatron-lm", str(tmp_path / "ml"), "--upstream-megatron-lm", str(upstream), "--out",
+            str(tmp_path / "o"), "--log-intervals", "1"]  # fmt: skip
     code, calls = run_main(monkeypatch, args, fake_run(fails))
     assert code == 0
     ours = [(n, a) for n, a, env in calls if env is None]
     theirs = {n: (a, env) for n, a, env in calls if env is not None}
-    assert len(ours) == len(side.MATRIX) and all(a[:3] == ["-m", "megatron_offload.run", "ml/pretrain_gpt.py"]
+    assert len(ours) == len(side.MATRIX) and all(a[:3] == ["-m", "megatron_offload.run", script]
                                                  for _, a in ours)  # fmt: skip
     assert sorted(theirs) == ["log1-upstream-chunked-offload", "log1-upstream-no-offload"]
     chunked, env = theirs["log1-upstream-chunked-offload"]

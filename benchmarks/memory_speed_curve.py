@@ -1,0 +1,250 @@
+"""The memory-speed curve of ``megatron_side_by_side.py --sweep``: GPU memory caps at the no-offload
+peak reserved less a share of the optimizer state, one row per way of training, and the floor.
+
+Rows: ours with ``--offload-fraction auto``, ours with full offload (``auto`` prefetch), upstream's
+chunked offloader (Megatron-LM dev, its own loop; with ``--upstream-megatron-lm``) and no offload. The
+state is 12 bytes a parameter (fp32 master, Adam's two moments) of Megatron's own parameter count in the
+uncapped no-offload run, divided over data-parallel ranks. Each cell's ms/iter is the median of
+iterations 3-12; its ratio is to the uncapped no-offload run of the same invocation.
+
+Runs: one uncapped no-offload run, one uncapped upstream run, and ours twice per cap. Neither no offload
+nor upstream's offloader reads the cap: under a cap at or above a row's uncapped peak reserved the
+allocator never reaches it (the run is the uncapped one), and under a cap below its uncapped peak
+allocated it cannot fit; those cells are taken from the uncapped run and say so (``derived``).
+Only a cap in between needs a run (ours no offload under the cap; upstream's, which our cap flag cannot
+reach, stays "not run"). ``--run-every-cell`` runs no offload under every cap anyway.
+
+The floor: under a cap that needs X bytes of state off the GPU at the activation peak, with gradient
+clipping on (the step starts only after the last backward), those X bytes cross out after the step and
+before the first micro-batch's forward reaches its peak: at best 1 + max(0, X / link - first forward) /
+iteration. The link is the one a run's log states, else ``--link-gbps`` (52 GB/s by default, said so in
+the JSON); the first forward a third of a micro-batch's share of the no-offload iteration (forward is
+about a third of forward and backward), else ``--first-forward-ms``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+GIB, GB = 1024**3, 1e9
+DEFAULT_CAPS = (90, 50, 0, 75, 25)  # most telling first: a call cut off at its limit still leaves a curve
+DEFAULT_LINK_GBPS = 52.0
+SWEEP_ITERS, MEDIAN_FROM = 12, 3  # ms/iter: the median of iterations 3-12
+NO_OFFLOAD, UPSTREAM_ROW = "no offload", "upstream chunked offload"
+OURS = {"fraction auto": ["--offload-fraction", "auto"], "full offload (auto)": []}
+# Wall-time model of one run (s): start-up, then iterations; the first two iterations ~2 s more.
+STARTUP_S = {"no offload": 25.0, "ours": 50.0, "upstream": 45.0}
+MICRO_BATCH_S, STEP_S, OFFLOAD_EXTRA_S = 0.15, 0.05, 0.3
+
+
+def cap_plan(peak_reserved_gib: float, state_gib: float, percents: list[int]) -> list[dict[str, float]]:
+    """Each cap: the no-offload peak reserved less ``percent`` of the state; saved = that share in GiB."""
+    return [
+        {"percent": p, "saved_GiB": p / 100 * state_gib, "cap_GiB": peak_reserved_gib - p / 100 * state_gib}
+        for p in percents
+    ]
+
+
+def floor_ratio(saved_bytes: float, link_gbps: float, first_forward_ms: float, iteration_ms: float) -> float:
+    """At best 1 + max(0, X / link - first forward) / iteration: X bytes cross out between the step and
+    the first forward's activation peak."""
+    crossing_ms = saved_bytes / (link_gbps * GB) * 1e3
+    return 1 + max(0.0, crossing_ms - first_forward_ms) / iteration_ms
+
+
+def median_ms(figures: dict[str, Any]) -> float | None:
+    """The median ms/iter of iterations 3-12 (or of those from 3 on that ran)."""
+    by_iteration = figures.get("step_ms_by_iteration") or {}
+    window = [ms for i, ms in by_iteration.items() if MEDIAN_FROM <= int(i) <= SWEEP_ITERS and ms is not None]
+    return statistics.median(window) if window else None
+
+
+def estimate_s(n_caps: int, micro_batches: int, upstream: bool) -> float:
+    """Expected wall time of a sweep: one no-offload run, ours twice per cap, upstream once."""
+    iteration = MICRO_BATCH_S * micro_batches + STEP_S
+    one = {kind: start + 2 + SWEEP_ITERS * iteration for kind, start in STARTUP_S.items()}
+    offload = SWEEP_ITERS * OFFLOAD_EXTRA_S
+    return one["no offload"] + 2 * n_caps * (one["ours"] + offload) + (one["upstream"] + offload) * upstream
+
+
+def cell(figures: dict[str, Any], base: dict[str, Any] | None) -> dict[str, Any]:
+    """A row's figures under one cap: ms/iter, its ratio to no offload, peaks, losses, or why it did not run."""
+    if "error" in figures:
+        outcome = "did not fit" if figures.get("did_not_fit") else "failed"
+        return {"outcome": outcome, "reason": figures["error"]}
+    ms = median_ms(figures)
+    row: dict[str, Any] = {"outcome": "ran", "ms_per_iter": ms}
+    for key in ("peak_reserved_GiB", "peak_allocated_GiB", "offloaded_GiB", "link_GBps", "wall_s"):
+        if figures.get(key) is not None:
+            row[key] = figures[key]
+    if base and ms is not None and base.get("ms_per_iter"):
+        row["x_no_offload"] = ms / base["ms_per_iter"]
+        row["losses_equal"] = figures.get("losses") == base.get("losses")
+    return row
+
+
+def cap_blind(figures: dict[str, Any], cap: float, row: dict[str, Any]) -> dict[str, Any] | None:
+    """A row that does not read the cap, from its uncapped run: the same run when the cap is at or above
+    its peak reserved, "did not fit" when below its peak allocated; None when only a run can tell."""
+    reserved, allocated = figures.get("peak_reserved_GiB"), figures.get("peak_allocated_GiB")
+    if "error" in figures or reserved is None or allocated is None:
+        return None
+    if cap >= reserved:
+        return row | {"derived": f"its uncapped run reserved at most {reserved:.2f} GiB: the cap never acts"}
+    if cap < allocated:
+        return {"outcome": "did not fit", "derived": f"its uncapped run held {allocated:.2f} GiB at once",
+                "reason": f"peak allocated {allocated:.2f} GiB > cap {cap:.2f} GiB"}  # fmt: skip
+    return None
+
+
+def run_sweep(
+    args: Any,
+    clients: dict[str, list[str]],
+    env: dict,
+    run: Callable[..., dict],
+    flags: dict[str, list[str]],
+    head: dict[str, Any],
+) -> dict[str, Any]:
+    """The sweep: uncapped no offload (and upstream), then ours under each cap; JSON and plot after each
+    run. ``run`` is the harness's job runner; ``flags`` its "ours" and "upstream" offload flags."""
+    tail = ["--train-iters", str(SWEEP_ITERS), "--log-interval", "1", "--log-memory-interval", str(SWEEP_ITERS)]
+    tail += ["--global-batch-size", str(args.global_batch)] if args.global_batch else []
+    tail += list(args.extra)
+    gb = f"gb{args.global_batch or 'cfg'}"
+    result: dict[str, Any] = {**head, "global_batch": args.global_batch, "train_iters": SWEEP_ITERS,
+                              "median_of_iterations": [MEDIAN_FROM, SWEEP_ITERS], "caps": [], "runs": {}}  # fmt: skip
+    result["base"] = "ours, no offload, uncapped (upstream's rows too: same model and flags)"
+    result["floor"] = "1 + max(0, X / link - first forward) / iteration (X: the cap's saved bytes)"
+
+    def go(name: str, argv: list[str], extra_env: dict | None = None) -> dict[str, Any]:
+        figures = run(f"sweep-{gb}-{name}", argv, args.gpus, args.out, extra_env)
+        result["runs"][name] = {k: v for k, v in figures.items() if k not in ("losses", "step_ms_per_interval")}
+        return figures
+
+    base_run = go("no-offload", [*clients["ours"], *tail])
+    if "error" in base_run or median_ms(base_run) is None or "peak_reserved_GiB" not in base_run:
+        result["error"] = f"the uncapped no-offload run gave no figures: {base_run.get('error', 'no peak')}"
+        return result
+    base = {"ms_per_iter": median_ms(base_run), "losses": base_run["losses"]}
+    megatron = base_run.get("megatron_args", {})
+    dp = int(megatron.get("data_parallel_size", 1) or 1)
+    mbs, gbs = int(megatron.get("micro_batch_size", 2)), int(megatron.get("global_batch_size", args.global_batch or 8))
+    micro_batches = max(1, gbs // (mbs * dp))
+    state_gib = args.state_gib or 12 * base_run.get("parameters", 0) / dp / GIB
+    result |= {
+        "micro_batches": micro_batches,
+        "state": {
+            "GiB": state_gib,
+            "source": "--state-gib"
+            if args.state_gib
+            else "12 bytes x Megatron's parameter count (no-offload run) / data-parallel size",
+        },  # fmt: skip
+        "no_offload": cell(base_run, base) | {"losses_equal": True, "x_no_offload": 1.0},
+        "estimate_s": estimate_s(len(args.caps), micro_batches, "upstream" in clients),
+    }
+    if not state_gib:
+        result["error"] = "no parameter count in the no-offload run's log: give --state-gib"
+        return result
+    upstream_run = None
+    if "upstream" in clients:
+        upstream_run = go("upstream", [*clients["upstream"], *tail, *flags["upstream"]], env)
+    link = base_run.get("link_GBps") or (upstream_run or {}).get("link_GBps")
+    forward_ms = args.first_forward_ms or base["ms_per_iter"] / micro_batches / 3
+    for plan in cap_plan(base_run["peak_reserved_GiB"], state_gib, args.caps):
+        cap = plan["cap_GiB"]
+        capped = ["--offload-gpu-memory-cap-gib", f"{cap:.3f}"]
+        rows: dict[str, Any] = {}
+        for name, extra in OURS.items():
+            argv = [*clients["ours"], *tail, *flags["ours"], *extra, *capped]
+            figures = go(f"cap{plan['percent']}-{name.split()[0]}", argv)
+            rows[name] = cell(figures, base)
+            link = link or figures.get("link_GBps")
+        if upstream_run is not None:
+            rows[UPSTREAM_ROW] = cap_blind(upstream_run, cap, cell(upstream_run, base)) or {
+                "outcome": "not run", "reason": "its uncapped peaks straddle the cap; our cap flag cannot reach "
+                "upstream's script"}  # fmt: skip
+        derived = None if args.run_every_cell else cap_blind(base_run, cap, result["no_offload"])
+        if derived is None:
+            derived = cell(go(f"cap{plan['percent']}-no-offload", [*clients["ours"], *tail, *capped]), base)
+        rows[NO_OFFLOAD] = derived
+        result["caps"].append(plan | {"rows": rows})
+        result["caps"].sort(key=lambda c: c["percent"])
+        finish(result, link, forward_ms, args)
+    return result
+
+
+def finish(result: dict[str, Any], link: float | None, forward_ms: float, args: Any) -> None:
+    """The link and first forward used, each cap's floor, then the JSON and the plot, written now."""
+    import json
+
+    result["link"] = {"GBps": link, "source": "logged by a run of this sweep"} if link else {
+        "GBps": args.link_gbps, "source": f"not measured in this run: --link-gbps {args.link_gbps:g}"
+        + (" (the default)" if args.link_gbps == DEFAULT_LINK_GBPS else "")}  # fmt: skip
+    source = "--first-forward-ms" if args.first_forward_ms else "no-offload ms/iter / micro-batches / 3"
+    result["first_forward"] = {"ms": forward_ms, "source": source}
+    for plan in result["caps"]:
+        plan["floor_x"] = floor_ratio(plan["saved_GiB"] * GIB, result["link"]["GBps"], forward_ms,
+                                      result["no_offload"]["ms_per_iter"])  # fmt: skip
+    result["plot"] = plot(result, args.out / "curve.png")
+    (args.out / "curve.json").write_text(json.dumps(result, indent=1, default=str))
+
+
+def plot(result: dict[str, Any], path: Any) -> str:
+    """x: GPU memory saved (GiB), y: time ratio to no offload, a line per row and the floor; the PNG's
+    file name, or one line saying why there is none."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no plot: matplotlib is not installed (pip install matplotlib); the JSON has every figure"
+    caps = result["caps"]
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    names = list(dict.fromkeys(name for plan in caps for name in plan["rows"]))
+    for name in names:
+        points = [(p["saved_GiB"], p["rows"][name].get("x_no_offload")) for p in caps if name in p["rows"]]
+        ran = [(x, y) for x, y in points if y is not None]
+        line = axes.plot(*zip(*ran, strict=True), marker="o", label=name)[0] if ran else None
+        for x, y in points:
+            if y is None:
+                axes.annotate("did not fit", (x, 1.0), rotation=90, fontsize=7, va="bottom", ha="center",
+                              color=line.get_color() if line else "grey")  # fmt: skip
+    if caps:
+        top = max(p["saved_GiB"] for p in caps)
+        xs = [top * i / 50 for i in range(51)]
+        link, forward = result["link"]["GBps"], result["first_forward"]["ms"]
+        ys = [floor_ratio(x * GIB, link, forward, result["no_offload"]["ms_per_iter"]) for x in xs]
+        axes.plot(xs, ys, "k--", label=f"floor ({link:.0f} GB/s link)")
+    axes.set_xlabel("GPU memory saved (GiB)")
+    axes.set_ylabel("time per iteration / no offload")
+    axes.set_title(f"global batch {result.get('global_batch') or 'of the config'}, "
+                   f"{result.get('micro_batches', '?')} micro-batches")  # fmt: skip
+    axes.legend(fontsize=8)
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path.name
+
+
+def table(result: dict[str, Any]) -> str:
+    """The curve as text: per cap, each row's ms/iter and ratio (or why not), and the floor."""
+    lines = [f"memory-speed curve, global batch {result.get('global_batch') or 'of the config'} "
+             f"({result.get('micro_batches')} micro-batches), state {result['state']['GiB']:.2f} GiB, "
+             f"no offload {result['no_offload']['ms_per_iter']:.1f} ms/iter, link {result['link']['GBps']:.1f} GB/s "
+             f"({result['link']['source']})"]  # fmt: skip
+    for plan in result["caps"]:
+        lines.append(f"cap {plan['percent']}% ({plan['cap_GiB']:.2f} GiB, saves {plan['saved_GiB']:.2f} GiB): "
+                     f"floor x{plan['floor_x']:.3f}")  # fmt: skip
+        for name, row in plan["rows"].items():
+            if row["outcome"] != "ran":
+                lines.append(f"  {name:26} {row['outcome']}: {row.get('reason', '')[:100]}")
+                continue
+            equal = {True: "losses equal", False: "losses DIFFER", None: ""}[row.get("losses_equal")]
+            lines.append(f"  {name:26} {row['ms_per_iter']:8.1f} ms  x{row.get('x_no_offload', 0):.3f}  "
+                         f"peak reserved {row.get('peak_reserved_GiB', 0):.2f} GiB  {equal}"
+                         + ("  (from its uncapped run)" if "derived" in row else ""))  # fmt: skip
+    return "\n".join(lines) + "\n"

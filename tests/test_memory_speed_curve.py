@@ -1,0 +1,208 @@
+"""The memory-speed sweep of benchmarks/megatron_side_by_side.py without a GPU: cap arithmetic, the
+floor, the JSON, the plot, a row's reason from its log, the early stop, and no benchmark importing the
+test package."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import megatron_side_by_side as side  # noqa: E402
+import memory_speed_curve as curve  # noqa: E402
+import run_logs  # noqa: E402
+
+GIB = 1024**3
+PARAMETERS = 955_000_000  # configs/gpt_0p9b.yaml: 12 bytes each, 10.67 GiB of state
+STATE_GIB = 12 * PARAMETERS / GIB
+
+
+@pytest.fixture
+def upstream(tmp_path: Path) -> Path:
+    """A stand-in for the copy of Megatron-LM's dev branch: the script the harness looks for."""
+    folder = tmp_path / "megatron-lm-dev"
+    (folder / "megatron" / "core" / "datasets").mkdir(parents=True)
+    (folder / "pretrain_gpt.py").write_text("")
+    return folder
+
+
+def test_caps_are_the_no_offload_peak_reserved_less_a_share_of_the_state() -> None:
+    plans = curve.cap_plan(26.41, 10.0, [0, 25, 90])
+    assert [p["cap_GiB"] for p in plans] == pytest.approx([26.41, 23.91, 17.41])
+    assert [p["saved_GiB"] for p in plans] == pytest.approx([0.0, 2.5, 9.0])
+
+
+def test_the_floor() -> None:
+    # 10.4 GB at 52 GB/s: 200 ms to cross; 50 ms of it hide behind the first forward; a 600 ms iteration
+    assert curve.floor_ratio(10.4e9, 52.0, 50.0, 600.0) == pytest.approx(1.25)
+    assert curve.floor_ratio(2.0e9, 52.0, 50.0, 600.0) == 1.0  # crosses within the first forward
+    assert curve.floor_ratio(0.0, 52.0, 50.0, 600.0) == 1.0
+
+
+def test_the_estimate_counts_one_no_offload_run_ours_twice_per_cap_and_upstream_once() -> None:
+    two, five = curve.estimate_s(2, 4, True), curve.estimate_s(5, 4, True)
+    assert five - two == pytest.approx(3 * 2 * (curve.STARTUP_S["ours"] + 2 + 12 * (0.15 * 4 + 0.05 + 0.3)))
+    assert two < 9 * 60 and curve.estimate_s(2, 16, True) < 9 * 60
+
+
+def sweep_run(fits: float = 16.5, fraction_ms: float = 700.0):
+    """Stand-in for a job: no offload peaks at 26.4 GiB reserved; an offload run that needs more than
+    ``fits`` GiB under its cap runs out of memory; a capped no-offload run always does."""
+
+    def run(name: str, argv: list[str], gpus: int, out: Path, env_extra: dict | None = None) -> dict:
+        flag = "--offload-gpu-memory-cap-gib"
+        cap = float(argv[argv.index(flag) + 1]) if flag in argv else None
+        offload = "--offload-optimizer-states" in argv or "--chunked-optimizer-state-offload" in argv
+        if cap is not None and (not offload or cap < fits):
+            return {"argv": argv, "error": "torch.OutOfMemoryError: CUDA out of memory.", "did_not_fit": True}
+        ms = 600.0 if not offload else (fraction_ms if "--offload-fraction" in argv else 800.0)
+        return {
+            "argv": argv, "returncode": 0, "losses": {i: 10.0 - i for i in range(1, 13)},
+            "step_ms_by_iteration": {1: 3000.0, 2: 1500.0, **dict.fromkeys(range(3, 13), ms)},
+            "peak_allocated_GiB": 26.2 if not offload else 15.6, "peak_reserved_GiB": 26.4 if not offload else 16.2,
+            "parameters": PARAMETERS, "megatron_args": {"micro_batch_size": "2", "global_batch_size": "8",
+                                                        "data_parallel_size": "1"},
+        }  # fmt: skip
+
+    return run
+
+
+def run_sweep(monkeypatch: pytest.MonkeyPatch, argv: list[str], run) -> tuple[int, list[tuple[str, list[str]]]]:
+    calls: list[tuple[str, list[str]]] = []
+
+    def recording(name: str, argv: list[str], gpus: int, out: Path, env_extra: dict | None = None) -> dict:
+        calls.append((name, argv))
+        return run(name, argv, gpus, out, env_extra)
+
+    monkeypatch.setattr(side, "run", recording)
+    monkeypatch.setattr(side, "preflight", lambda argv: None)
+    monkeypatch.setattr(sys, "argv", ["megatron_side_by_side.py", "--sweep", *argv])
+    return side.main(), calls
+
+
+def test_the_sweep_writes_every_figure(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, upstream: Path) -> None:
+    args = ["--upstream-megatron-lm", str(upstream), "--out", str(tmp_path), "--global-batch", "8"]
+    code, calls = run_sweep(monkeypatch, [*args, "--caps", "90", "50", "0"], sweep_run())
+    assert code == 0
+    # one uncapped no-offload run, one upstream run, ours twice per cap; no offload never under a cap
+    assert len(calls) == 2 + 2 * 3 and sum("--offload-optimizer-states" not in a for _, a in calls) == 2
+    assert all(a[a.index("--global-batch-size") + 1] == "8" and a[a.index("--train-iters") + 1] == "12"
+               for _, a in calls)  # fmt: skip
+    result = json.loads((tmp_path / "curve.json").read_text())
+    assert result["state"]["GiB"] == pytest.approx(STATE_GIB)
+    assert result["micro_batches"] == 4 and result["no_offload"]["ms_per_iter"] == 600.0
+    assert result["link"] == {"GBps": 52.0, "source": "not measured in this run: --link-gbps 52 (the default)"}
+    assert [c["percent"] for c in result["caps"]] == [0, 50, 90]
+    tight = result["caps"][2]
+    assert tight["cap_GiB"] == pytest.approx(26.4 - 0.9 * STATE_GIB)
+    forward = 600.0 / 4 / 3
+    assert tight["floor_x"] == pytest.approx(1 + (0.9 * STATE_GIB * GIB / 52e9 * 1e3 - forward) / 600.0)
+    ours = tight["rows"]["fraction auto"]
+    assert ours["outcome"] == "ran" and ours["x_no_offload"] == pytest.approx(700 / 600) and ours["losses_equal"]
+    assert ours["peak_reserved_GiB"] == 16.2
+    assert tight["rows"]["no offload"]["outcome"] == "did not fit" and "derived" in tight["rows"]["no offload"]
+    assert result["caps"][0]["rows"]["no offload"]["x_no_offload"] == 1.0  # cap 0%: its own uncapped run
+    assert tight["rows"]["upstream chunked offload"]["x_no_offload"] == pytest.approx(800 / 600)
+    assert result["plot"] == "curve.png" and (tmp_path / "curve.png").stat().st_size > 1000
+    assert "cap 90%" in (tmp_path / "curve.txt").read_text()
+
+
+def test_a_capped_no_offload_run_that_fails_is_did_not_fit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    code, calls = run_sweep(monkeypatch, ["--out", str(tmp_path), "--caps", "50", "--run-every-cell"], sweep_run())
+    assert code == 0 and [name for name, _ in calls][-1] == "sweep-gbcfg-cap50-no-offload"
+    row = json.loads((tmp_path / "curve.json").read_text())["caps"][0]["rows"]["no offload"]
+    assert row == {"outcome": "did not fit", "reason": "torch.OutOfMemoryError: CUDA out of memory."}
+
+
+def test_ours_not_fitting_fails_the_sweep(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    code, _ = run_sweep(monkeypatch, ["--out", str(tmp_path), "--caps", "90"], sweep_run(fits=20.0))
+    assert code == 1
+    assert json.loads((tmp_path / "curve.json").read_text())["caps"][0]["rows"]["fraction auto"]["outcome"] == (
+        "did not fit"
+    )
+
+
+def test_without_matplotlib_the_json_says_so(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    code, _ = run_sweep(monkeypatch, ["--out", str(tmp_path), "--caps", "50"], sweep_run())
+    result = json.loads((tmp_path / "curve.json").read_text())
+    assert code == 0 and result["plot"].startswith("no plot: matplotlib is not installed")
+    assert not (tmp_path / "curve.png").exists()
+
+
+TORCHRUN_TAIL = """E1125 05:37:02.394000 7127 /x/elastic/multiprocessing/api.py:1002] failed (exitcode: 2) local_rank: 0
+Traceback (most recent call last):
+  File "/x/torch/distributed/run.py", line 1032, in <module>
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+scripts/pretrain_gpt.py FAILED
+------------------------------------------------------------
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+"""
+
+
+@pytest.mark.parametrize(
+    ("own", "reason"),
+    [
+        ("megatron-offload: no CUDA GPU found: Megatron-LM's training loop needs one\n",
+         "megatron-offload: no CUDA GPU found: Megatron-LM's training loop needs one"),
+        ("building...\n[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 224.00 MiB.\n"
+         "[rank0]:[W1125 process_group.cpp] destroy_process_group() was not called\n",
+         "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 224.00 MiB."),
+        ("", "scripts/pretrain_gpt.py FAILED"),
+    ],
+)  # fmt: skip
+def test_a_row_says_why_it_did_not_run(own: str, reason: str) -> None:
+    text = "$ python -m torch.distributed.run ...\n" + own + TORCHRUN_TAIL
+    assert run_logs.failure_reason(text) == reason
+    assert run_logs.did_not_fit(reason) is ("memory" in reason)
+
+
+def test_a_logged_link_speed_is_read() -> None:
+    assert run_logs.logged_link_gbps("| offload link d2h (GB/s): 51.2 |") == 51.2
+    assert run_logs.logged_link_gbps("| lm loss: 1.0 |") is None
+
+
+def test_nothing_runs_when_nothing_can(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.setattr(side, "run", lambda *a, **k: pytest.fail("a job was started"))
+    monkeypatch.setattr(side, "preflight", lambda argv: "megatron-offload: no CUDA GPU found")
+    monkeypatch.setattr(sys, "argv", ["megatron_side_by_side.py", "--out", str(tmp_path)])
+    assert side.main() == 2
+    assert capsys.readouterr().out.strip().splitlines() == [
+        "megatron_side_by_side: nothing can run: megatron-offload: no CUDA GPU found"
+    ]
+    monkeypatch.setattr(side, "preflight", lambda argv: None)
+    monkeypatch.setattr(sys, "argv", ["megatron_side_by_side.py", "--megatron-lm", str(tmp_path / "none")])
+    assert side.main() == 2
+    assert "no pretrain_gpt.py there" in capsys.readouterr().out
+
+
+def test_no_benchmark_imports_the_test_package() -> None:
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n == "tests" or n.startswith("tests.") for n in names), f"{path.name} imports {names}"
+
+
+@pytest.mark.parametrize("script", ["offload_bandwidth.py", "sleep_wake.py", "megatron_side_by_side.py"])
+def test_benchmarks_start_without_pythonpath(script: str, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    found = subprocess.run([sys.executable, "-c", "import megatron_offload"], env=env, cwd=tmp_path)
+    if found.returncode != 0:
+        pytest.skip("megatron_offload is not installed in this Python (pip install -e .): nothing to start from")
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--help"], env=env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "usage" in result.stdout
