@@ -90,7 +90,9 @@ def check_weight_flags(args: argparse.Namespace, state_offload: bool, derived: b
             "must leave it too): add --offload-optimizer-states"
         )
     for name, unsupported, advice in _AS_GIVEN:
-        if unsupported(args, name):
+        # A name missing from ``args`` is a parser without Megatron's flags (the launcher's early check of
+        # ours): Megatron's own parse comes through here again with every name present.
+        if hasattr(args, name) and unsupported(args, name):
             raise ValueError(f"{FLAG} {advice} (got {_flag(name)} {getattr(args, name)})")
     if not derived:
         return

@@ -71,3 +71,10 @@ def test_values_megatron_derives_are_checked_after_its_validation(derived: dict,
     check_offload_combinations(args)  # as given, nothing is wrong yet
     with pytest.raises(ValueError, match=named):
         validate_offload_args(args)
+
+
+def test_the_launchers_early_check_of_our_flags_alone_passes() -> None:
+    """Before Megatron's parser exists the launcher checks our flags on a namespace of ours only."""
+    args = add_offload_args(argparse.ArgumentParser()).parse_args(["--offload-optimizer-states", "--offload-weights"])
+    args.use_distributed_optimizer = True
+    check_offload_combinations(args)
