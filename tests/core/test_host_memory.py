@@ -7,6 +7,9 @@ tests/gpu/host_memory_drill.py.
 
 from __future__ import annotations
 
+import mmap
+import os
+import signal
 import warnings
 
 import pytest
@@ -62,3 +65,20 @@ def test_the_cost_sentence_gives_both_copy_times() -> None:
 def test_an_allocation_the_host_refuses_is_a_clear_error() -> None:
     with pytest.raises(HostMemoryError, match=r"could not allocate 4194304.00 GiB .*the host ran short\. Free host"):
         HostSlab(1 << 50, torch.float32, pin=False)  # 4 PiB: refused at once, nothing is touched
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or not hasattr(mmap, "MADV_DONTFORK"), reason="needs Linux fork")
+def test_a_forked_child_gets_none_of_a_slab() -> None:
+    """Data-loader workers fork after the state is pinned; pinned pages would be copied into each of them,
+    so the slab is left out of children altogether: reading it there faults."""
+    slab = HostSlab(1 << 20, torch.uint8, pin=False)
+    slab.tensor.fill_(7)
+    pid = os.fork()
+    if pid == 0:  # the child: touching the slab must fault
+        try:
+            os._exit(int(slab.tensor[4096].item()))
+        finally:
+            os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGSEGV, status
+    assert int(slab.tensor[4096]) == 7  # the parent keeps it
