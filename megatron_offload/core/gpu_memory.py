@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 import torch
 
-from megatron_offload.core.mapped_memory import mapped_bytes
+from megatron_offload.core.mapped_memory import mapped_allocated_bytes, mapped_bytes
 from megatron_offload.core.units import GIB
 
 logger = logging.getLogger(__name__)
@@ -122,9 +122,10 @@ def uncapped(device: int) -> Iterator[None]:
         refresh_memory_cap(device)
 
 
-def gpu_only(nbytes: int) -> int:
-    """A reading of PyTorch's allocated or reserved bytes less the device-mapped host memory in it."""
-    return max(0, nbytes - mapped_bytes())
+def gpu_only(nbytes: int, allocated: bool = False) -> int:
+    """A reading of PyTorch's reserved (or, ``allocated``, allocated) bytes less the device-mapped host
+    memory in it. Peaks too: the mapped memory is built before training and stays as it is."""
+    return max(0, nbytes - (mapped_allocated_bytes() if allocated else mapped_bytes()))
 
 
 def memory_limit_bytes(device: torch.device | int) -> int:

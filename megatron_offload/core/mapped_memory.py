@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["MappedMemoryError", "MappedPool", "mapped_bytes"]
+__all__ = ["MappedMemoryError", "MappedPool", "mapped_allocated_bytes", "mapped_bytes"]
 
 _SOURCE = r"""
 #include <dlfcn.h>
@@ -63,6 +63,7 @@ size_t mo_mapped_bytes(void) { return __atomic_load_n(&mapped, __ATOMIC_RELAXED)
 
 _library: ctypes.CDLL | None = None
 _library_path: Path | None = None
+_pools: list[MappedPool] = []
 
 
 class MappedMemoryError(RuntimeError):
@@ -112,8 +113,15 @@ def _load() -> Path:
 
 
 def mapped_bytes() -> int:
-    """Bytes of device-mapped host memory this process holds through ``MappedPool``s (0 if none)."""
+    """Bytes of device-mapped host memory this process holds through ``MappedPool``s (0 if none): what
+    PyTorch counts as reserved for them."""
     return int(_library.mo_mapped_bytes()) if _library is not None else 0
+
+
+def mapped_allocated_bytes() -> int:
+    """Bytes of that memory held by live tensors: what PyTorch counts as allocated for them (the rest is
+    cached in the pools, freed by a tensor but kept for reuse)."""
+    return sum(segment["allocated_size"] for pool in _pools for segment in pool.pool.snapshot(include_traces=False))
 
 
 class MappedPool:
@@ -126,6 +134,7 @@ class MappedPool:
         allocator = torch.cuda.memory.CUDAPluggableAllocator(str(path), "mo_mapped_alloc", "mo_mapped_free")
         self.pool = torch.cuda.MemPool(allocator.allocator())
         self._allocator = allocator  # the pool refers to it: keep it alive as long as the pool
+        _pools.append(self)
 
     @contextlib.contextmanager
     def allocating(self) -> Iterator[None]:

@@ -238,9 +238,9 @@ def install_training_hooks() -> None:
                 current = handle.read_stats()
                 before = previous_stats.get(id(handle), type(current)())
                 memory = MemoryReading(  # GPU memory only: host-mapped weights are not counted
-                    gpu_only(torch.cuda.memory_allocated()),
+                    gpu_only(torch.cuda.memory_allocated(), allocated=True),
                     gpu_only(torch.cuda.memory_reserved()),
-                    gpu_only(current.peak_allocated_bytes),
+                    gpu_only(current.peak_allocated_bytes, allocated=True),
                     gpu_only(current.peak_reserved_bytes),
                 )
                 message += format_offload_fields(current, before, memory)
