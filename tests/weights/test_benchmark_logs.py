@@ -1,4 +1,5 @@
 """The weight-streaming benchmark reads Megatron's forward-backward timer and our weights fields."""
+# ruff: noqa: E501  (log lines as Megatron prints them)
 
 from __future__ import annotations
 
