@@ -13,6 +13,7 @@ losses equal no offload's bitwise. ``--profile`` adds one profiled run of each o
 
     python benchmarks/weight_streaming.py --megatron-lm PATH --config configs/gpt_1b.yaml \\
         --extra "--micro-batch-size 8 --global-batch-size 64" [--log-intervals 1 5] [--fit 20] [--profile]
+        [--footprint]
 """
 
 from __future__ import annotations
@@ -75,9 +76,15 @@ def main() -> int:
     parser.add_argument("--config", default="configs/gpt_1b.yaml")
     parser.add_argument("--extra", default="", help="more Megatron flags for every row, as one string")
     parser.add_argument("--train-iters", type=int, default=10)
-    parser.add_argument("--log-intervals", type=int, nargs="+", default=[1, 5])
+    parser.add_argument("--log-intervals", type=int, nargs="*", default=[1, 5])
     parser.add_argument("--fit", type=float, default=None, metavar="GIB", help="also run the rows under this cap")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--footprint",
+        action="store_true",
+        help="also run state offload alone and weights, uncapped, with --offload-prefetch step (the smallest "
+        "footprint): their peak reserved memory is the smallest cap each fits",
+    )
     parser.add_argument("--out", type=Path, default=Path("weight-streaming"))
     args = parser.parse_args()
     script = args.megatron_lm / "pretrain_gpt.py"
@@ -87,7 +94,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     base = ["-m", "megatron_offload.run", str(script), "--config", args.config, *RECOMPUTE, *shlex.split(args.extra)]
     results: dict[str, Any] = {}
-    for interval in args.log_intervals:
+    for interval in args.log_intervals:  # --log-intervals with no value: none of these rows
         tail = ["--train-iters", str(args.train_iters), "--log-interval", str(interval), "--timing-log-level", "1"]
         for name, flags in (("no offload", []), ("weights", WEIGHTS)):
             key = f"{name}, log interval {interval}"
@@ -107,6 +114,11 @@ def main() -> int:
         ]
         for name, flags in (("no offload", []), ("state offload", WEIGHTS[:1]), ("weights", WEIGHTS)):
             key = f"{name}, cap {args.fit:g} GiB"
+            results[key] = row(key.replace(" ", "-").replace(",", ""), [*base, *flags, *tail], args.out)
+    if args.footprint:
+        tail = ["--train-iters", str(args.train_iters), "--log-interval", "1", "--offload-prefetch", "step"]
+        for name, flags in (("state offload", WEIGHTS[:1]), ("weights", WEIGHTS)):
+            key = f"{name}, smallest footprint"
             results[key] = row(key.replace(" ", "-").replace(",", ""), [*base, *flags, *tail], args.out)
     if args.profile:
         tail = ["--train-iters", "7", "--log-interval", "1", "--profile", "--use-pytorch-profiler"]

@@ -87,3 +87,37 @@ def unit_home(handle, param) -> int:
             if placed.param is param:
                 return placed.host_data.data_ptr()
     raise AssertionError("param not streamed")
+
+
+def test_torch_dist_save_and_resume_with_streamed_weights_is_bitwise(reference, pool: MappedPool, tmp_path) -> None:
+    """Saved after 3 steps with weights streamed and state offloaded; the saving run goes on, and a run of
+    another seed (its own weights and state in host memory) loads and goes on: both end bitwise where the
+    uninterrupted run without offloading ends."""
+    from tests.gpu.test_checkpoint import load_checkpoint, save_checkpoint
+
+    expected_results, expected = reference
+    save_after = 3
+    checkpoint_dir = tmp_path / "iter_0000003"
+    checkpoint_dir.mkdir()
+    saving, saving_weights, saving_state = streamed_training(pool)
+    assert train(saving, save_after) == expected_results[:save_after]
+    save_checkpoint(saving, str(checkpoint_dir))
+    tail = [saving.train_step(i) for i in range(save_after, STEPS)]
+    assert tail == expected_results[save_after:], "the save disturbed the run"
+    saving_state.detach()
+    assert_bitwise_equal(expected, snapshot(saving))
+    saving_weights.detach()
+
+    with pool.allocating():
+        resumed = build_gpt_training(SHAPE, seed=4321, recompute=True)
+    move_buffers_to_gpu(resumed.model)
+    weights = attach_weight_streamer(resumed.model)
+    state = attach_offloader(resumed.optimizer, offload_master_weights=False)
+    for iteration in (100, 101):  # torch Adam's state must exist before a load can be planned
+        resumed.train_step(iteration)
+    load_checkpoint(resumed, str(checkpoint_dir))
+    tail = [resumed.train_step(i) for i in range(save_after, STEPS)]
+    assert tail == expected_results[save_after:], "the resumed run's losses differ"
+    state.detach()
+    assert_bitwise_equal(expected, snapshot(resumed))
+    weights.detach()
