@@ -1,8 +1,8 @@
 """Weight streaming in Megatron-LM's training loop (``megatron.training``): the model and the optimizer
 are built in device-mapped host memory, and the streamer is attached to the model Megatron built.
 
-``install_weight_hooks(training, get_args)`` replaces two names in ``megatron.training.training`` (no
-source changed), each calling the original:
+``install_weight_hooks(training, get_args)`` replaces three names in ``megatron.training.training`` (no
+source changed), each calling the original unless weights are streamed:
 - ``setup_model_and_optimizer``: with ``--offload-weights``, everything it builds goes to host memory
   (``MappedPool``) until the optimizer exists: the model, DDP's weight and gradient buffers and the fp32
   master weights, whichever way Megatron builds the model (``get_model`` or a config container's
@@ -10,7 +10,10 @@ source changed), each calling the original:
   larger than the GPU never passes through a full-size GPU allocation;
 - ``get_megatron_optimizer``: once the original has built the optimizer, the host-memory build ends,
   module buffers (rotary frequencies) come to the GPU, the streamer is attached and peak statistics
-  start over; then (in ``training_hooks``) the optimizer-state offloader is attached in GPU memory.
+  start over; then (in ``training_hooks``) the optimizer-state offloader is attached in GPU memory;
+- ``report_memory``: Megatron's memory line reads PyTorch's counters, which count the host-mapped
+  weights as GPU memory; with weights streamed the same line reports GPU memory only and names the
+  host-mapped bytes apart.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any
 
 import torch
 
-from megatron_offload.core.gpu_memory import uncapped
+from megatron_offload.core.gpu_memory import gpu_only, uncapped
 from megatron_offload.core.mapped_memory import MappedPool, mapped_bytes
 from megatron_offload.core.units import GIB
 from megatron_offload.megatron.weights_adapter import WeightHandle, attach_weight_streamer, move_buffers_to_gpu
@@ -108,6 +111,25 @@ def install_weight_hooks(training: Any, get_args: Callable[[], argparse.Namespac
         _stream(model if isinstance(model, list) else [model])
         return optimizer
 
+    report_memory = getattr(training, "report_memory", None)
+
+    def report_gpu_memory(name: str, *args: Any, **kwargs: Any) -> None:
+        if not _handles:
+            return report_memory(name, *args, **kwargs)
+        mib = 1024.0 * 1024.0
+        figures = (
+            ("allocated", gpu_only(torch.cuda.memory_allocated(), allocated=True)),
+            ("max allocated", gpu_only(torch.cuda.max_memory_allocated(), allocated=True)),
+            ("reserved", gpu_only(torch.cuda.memory_reserved())),
+            ("max reserved", gpu_only(torch.cuda.max_memory_reserved())),
+        )
+        line = "".join(f" | {key}: {value / mib:.2f}" for key, value in figures)
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        if rank == 0:
+            print(f"[Rank {rank}] {name} memory (MB){line} | host-mapped, not counted: {mapped_bytes() / mib:.2f}")
+
+    if report_memory is not None:
+        training.report_memory = report_gpu_memory
     if setup is not None:  # every megatron.training that builds models has it
         training.setup_model_and_optimizer = setup_in_host_memory
     training.get_megatron_optimizer = get_megatron_optimizer_then_stream
