@@ -10,6 +10,7 @@ failed copy is named at the next point.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -36,7 +37,7 @@ class Streams(Protocol):
 
     timed: bool
 
-    def mark(self) -> Event | None: ...
+    def mark(self, timed: bool = False) -> Event | None: ...
 
     def copy(self, direction: str, pairs: Pairs, after: Event | None) -> tuple[Event | None, Event | None]: ...
 
@@ -57,9 +58,10 @@ class CudaStreams:
         self.compute = torch.cuda.current_stream(device)  # fixed at attach: training's stream
         self.side = {OFFLOAD: torch.cuda.Stream(device), PREFETCH: torch.cuda.Stream(device)}
 
-    def mark(self) -> torch.cuda.Event:
-        """The compute stream's current end: once it has completed, every kernel queued so far is done."""
-        event = torch.cuda.Event()
+    def mark(self, timed: bool = False) -> torch.cuda.Event:
+        """The compute stream's current end: once it has completed, every kernel queued so far is done.
+        ``timed``: an event that records time (sleep's per-part figures); the copies' marks need none."""
+        event = torch.cuda.Event(enable_timing=timed)
         event.record(self.compute)
         return event
 
@@ -92,7 +94,14 @@ class CudaStreams:
 
 
 class Done:
-    """An event that has completed (the CPU's copies are synchronous)."""
+    """An event that has completed, at a time on the host's clock (the CPU's copies are synchronous)."""
+
+    def __init__(self) -> None:
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, end: Done) -> float:
+        """Milliseconds to ``end``, as ``torch.cuda.Event.elapsed_time`` gives them."""
+        return (end.at - self.at) * 1e3
 
     def query(self) -> bool:
         return True
@@ -107,13 +116,14 @@ class HostStreams:
 
     timed = False
 
-    def mark(self) -> Event | None:
-        return None
+    def mark(self, timed: bool = False) -> Event | None:
+        return Done() if timed else None
 
     def copy(self, direction: str, pairs: Pairs, after: Event | None) -> tuple[Event | None, Event | None]:
+        began = Done()
         for destination, source in pairs:
             destination.copy_(source)
-        return None, Done()
+        return began, Done()
 
     def compute_waits(self, event: Event) -> tuple[Event | None, Event | None]:
         event.synchronize()  # the CPU has no device-side order: the data must be there before it is used
