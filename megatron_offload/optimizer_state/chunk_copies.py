@@ -50,30 +50,6 @@ class ChunkCopies:
     step_index: int
     leaving_bytes: int
 
-    @property
-    def idle(self) -> bool:
-        """No copy queued or in flight: the hooks' fast way out."""
-        return self.copies.idle
-
-    def pump(self) -> None:
-        """One point of the training loop: retire what landed, start what may start. Never waits."""
-        self.copies.pump()
-
-    def flush(self) -> None:
-        """Start every queued copy now; each stream waits on the device for dependencies already queued."""
-        self.copies.flush()
-
-    def drain(self, nbytes: int | None = None) -> int:
-        """Block the host until copies out have freed ``nbytes`` of GPU memory (default: all landed)."""
-        return self.copies.drain(nbytes)
-
-    def start(self, copy: Copy) -> None:
-        """Start a queued copy now, its stream waiting on the device for a dependency already queued."""
-        self.copies.start(copy)
-
-    def compute_mark(self) -> Event | None:
-        return self.streams.mark()
-
     def new_block(self, nbytes: int) -> torch.Tensor:
         """Device memory for state, from the compute stream's pool."""
         try:
@@ -120,7 +96,7 @@ class ChunkCopies:
             if not in_it:  # storage of its own (made by the optimizer, or before the first offload)
                 keep.append(entry.tensor.data)
                 pairs.append((entry.host, entry.tensor.data))
-        after = self.compute_mark()  # the compute stream's last write to the chunk
+        after = self.streams.mark()  # the compute stream's last write to the chunk
         copy = self._chunk_copy(
             chunk, OFFLOAD, pairs, after=after, held=keep, frees=chunk.nbytes, block=chunk.block, in_block=in_block
         )
@@ -133,7 +109,7 @@ class ChunkCopies:
         the compute stream's current end, as that memory may have been used by work still queued)."""
         if block is None:
             block = self.new_block(chunk.nbytes)
-            after = after or self.compute_mark()
+            after = after or self.streams.mark()
         slab = self.slab
         pairs = [
             (block[offset : offset + size], slab[host : host + size])
@@ -221,7 +197,7 @@ class ChunkCopies:
         the compute stream after it on the device (timed: the copy time the step stood waiting)."""
         copy = chunk.copy
         if copy is not None and copy.direction == PREFETCH and copy.done is None:
-            self.start(copy)
+            self.copies.start(copy)
         elif copy is not None and copy.direction == OFFLOAD:
             if copy.done is None:
                 self._cancel(copy)  # never started: the chunk is still here

@@ -42,7 +42,7 @@ class OptimizerStateOffloader(PlannedState, ChunkCopies):
 
     NOTE: tensor objects are never replaced, only what they hold: a chunk's tensors point at its GPU
     block until its copy out starts, then at their host copy, which is whole once that copy has landed
-    (``host_copies_ready()`` before reading it on the CPU). A copy holds the GPU memory it reads or
+    (``copies.drain()`` before reading it on the CPU). A copy holds the GPU memory it reads or
     fills until it has landed, so the allocator never hands that memory out while a copy uses it.
     NOTE: ``offload()`` and the streamed step check the plan against the state (one walk each): a tensor
     the plan does not hold, or ``plan_dirty`` (set after a checkpoint load), makes a new plan. Adam's
@@ -113,7 +113,7 @@ class OptimizerStateOffloader(PlannedState, ChunkCopies):
                 self.queue_offload(chunk)
                 started += chunk.nbytes
         self.count_plan()
-        self.flush()
+        self.copies.flush()
         return started
 
     @torch.no_grad()
@@ -125,7 +125,7 @@ class OptimizerStateOffloader(PlannedState, ChunkCopies):
             self._refresh_plan()
         queued = self.queue_out()
         if now:
-            self.flush()
+            self.copies.flush()
         if queued:
             self.count_step()
 
@@ -169,13 +169,13 @@ class OptimizerStateOffloader(PlannedState, ChunkCopies):
                 continue
             if max_bytes is not None and started + chunk.nbytes > max_bytes:
                 break
-            mark = mark or self.compute_mark()  # one mark for every block allocated here
+            mark = mark or self.streams.mark()  # one mark for every block allocated here
             self.queue_prefetch(chunk, self.new_block(chunk.nbytes), after=mark)
             started += chunk.nbytes
         if started:
             self.stats.prefetches += 1
             self.stats.gpu_bytes_freed = self.offloaded_bytes
-        self.pump()
+        self.copies.pump()
         return started
 
     def wait(self) -> None:
@@ -220,10 +220,6 @@ class OptimizerStateOffloader(PlannedState, ChunkCopies):
             for chunk, entry in swapped:
                 if not chunk.on_gpu:
                     entry.tensor.data = entry.host
-
-    def host_copies_ready(self) -> None:
-        """Block until every copy has landed, so CPU code can read offloaded state."""
-        self.drain()
 
     def restore(self) -> None:
         """Bring everything back to the device for good, each tensor in storage of its own again, and

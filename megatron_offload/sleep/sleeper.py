@@ -20,7 +20,7 @@ part's time is read from CUDA events, and a wake allocates the next part's devic
 link carries the previous part.
 
 This module knows nothing of Megatron: parts are optimizer offloaders and lists of tensors whose whole
-storage is parked. Of the engine it uses ``prepare()``, ``offload()``, ``host_copies_ready()``,
+storage is parked. Of the engine it uses ``prepare()``, ``offload()``, ``copies.drain()``,
 ``wait()``, ``restore()``, ``offloaded_bytes`` and ``estimated_host_bytes()``.
 """
 
@@ -304,7 +304,7 @@ class Sleeper:
             offloader.offload()  # every chunk's copy queued at once, after the compute stream's work
         for offloader in self.offloaders:
             # Blocks until the copies have landed and the engine has dropped the device memory they read.
-            offloader.host_copies_ready()
+            offloader.copies.drain()
         return sum(o.offloaded_bytes for o in self.offloaders) - before
 
     # ------------------------------------------------------------------------------------- wake
