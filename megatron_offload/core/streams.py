@@ -1,11 +1,6 @@
-"""The streams and events the state's copies run on: one side stream per direction beside the
-compute stream, on CUDA; immediate copies on the CPU, where the engine's bookkeeping is tested.
-
-Everything the engine knows of the device goes through ``Streams``: a mark on the compute stream, a
-copy on a side stream, the compute stream waiting for a copy, a block of device memory. So the CPU
-tests can hand the engine events that complete only when a test says so, and check that a copy whose
-dependency has not completed is left for the next point, that the in-flight bound holds, and that a
-failed copy is named at the next point.
+"""The streams and events copies run on: a side stream per direction beside the compute stream on
+CUDA; immediate copies on the CPU. Everything the copy core and its users know of the device goes
+through ``Streams``, so CPU tests can hand them events that complete only when a test says so.
 """
 
 from __future__ import annotations

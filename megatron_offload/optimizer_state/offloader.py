@@ -1,14 +1,9 @@
 """Move an optimizer's per-parameter state to host memory between steps, and back for the next one.
 
-This module knows nothing of Megatron: it works on any ``torch.optim.Optimizer`` plus an optional list
-of extra tensors (fp32 master weights kept outside the optimizer state). The plan (plan.py, kept with
-its host slab by planned_state.py) cuts the state into chunks of whole parameters; this class moves
-them, chunk by chunk, on a side stream per direction, through the copy core (core/copies.py: queued
-behind the event they depend on, started at the caller's points, never a host wait on the steady
-path); chunk_copies.py says what a chunk's copy means for its tensors. Two things order the device
-where the caller needs the data now: ``hand_to_compute`` (the compute stream waits for a chunk's copy
-back) and ``flush`` (every queued copy starts, its stream waiting on the device for a dependency that
-is already queued).
+Knows nothing of Megatron: any ``torch.optim.Optimizer`` plus optional fp32 master weights. The plan
+(plan.py, kept with its host slab by planned_state.py) cuts the state into chunks of whole parameters;
+they move through the copy core (``self.copies``, core/copies.py), and chunk_copies.py says what a
+chunk's copy means for its tensors.
 """
 
 from __future__ import annotations
