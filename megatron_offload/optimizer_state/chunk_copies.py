@@ -1,10 +1,8 @@
 """A chunk's copies out and back, on the copy core (core/copies.py), and where its tensors point.
 
-A copy out is queued after the compute stream's last write to the chunk; a copy back after the compute
-work that last used the memory it comes back into. The ``CopyQueue`` starts them at the training
-loop's points; this module says what each start, landing and failure means for the chunk: its
-tensors point at its GPU block until its copy out starts, then at their host copy; at its block again
-once its copy back starts, with the compute stream told to wait for that copy before using it.
+A copy out waits for the compute stream's last write to the chunk, a copy back for the compute work
+that last used its memory. A chunk's tensors point at its GPU block until its copy out starts, then at
+their host copy; at its block again once its copy back starts (the compute stream waits for it).
 """
 
 from __future__ import annotations
@@ -33,9 +31,7 @@ class ChunkCopy(Copy):
 
     chunk: Chunk
     block: torch.Tensor | None  # the GPU memory it reads (offload) or fills (prefetch): held until it landed
-    in_block: list[bool] = field(
-        default_factory=list
-    )  # offload: per entry, read from the block (else from ``held``, in entry order)
+    in_block: list[bool] = field(default_factory=list)  # out: per entry, read from the block (else ``held``)
 
 
 class ChunkCopies:

@@ -35,17 +35,12 @@ class OptimizerStateOffloader(PlannedState, ChunkCopies):
     the training loop's points moves it; ``prefetch(max_bytes)`` queues it back as memory allows;
     ``streamed_step.run`` steps chunk by chunk, streaming whatever is not back yet.
 
-    NOTE: tensor objects are never replaced, only what they hold: a chunk's tensors point at its GPU
-    block until its copy out starts, then at their host copy, which is whole once that copy has landed
-    (``copies.drain()`` before reading it on the CPU). A copy holds the GPU memory it reads or
-    fills until it has landed, so the allocator never hands that memory out while a copy uses it.
-    NOTE: ``offload()`` and the streamed step check the plan against the state (one walk each): a tensor
-    the plan does not hold, or ``plan_dirty`` (set after a checkpoint load), makes a new plan. Adam's
-    moments, made at its first step, join their param's chunk (the slab was sized for them).
-    NOTE: kept chunks (``fraction`` below 1, or chosen for ``auto``) are planned into the slab too, so
-    they can leave at once should memory run short.
-    NOTE: a chunk that came back but was never handed to the compute stream (a skipped step) is not
-    copied again: its host copy is still exact.
+    NOTE: tensor objects are never replaced, only what they hold; a host copy is whole once its copy
+    has landed (``copies.drain()`` before reading it on the CPU).
+    NOTE: a tensor the plan does not hold, or ``plan_dirty`` (after a checkpoint load), makes a new plan;
+    Adam's moments, made at its first step, join their param's chunk (the slab was sized for them).
+    NOTE: kept chunks are planned into the slab too, so they can leave at once should memory run short.
+    NOTE: a chunk that came back but was never handed to the compute stream is not copied again.
     """
 
     def __init__(

@@ -1,13 +1,9 @@
 """The optimizer step, chunk by chunk, streaming what is not back yet through a few GPU buffers.
 
-Chunks already on the GPU when the step starts (kept, or brought back during backward) are updated
-first, in groups, while the first streamed chunks come in; their copies out are queued, for the
-training loop's next points to start a few at a time (so a read right after the step never waits
-behind them). The others stream through ``STAGING_CHUNKS`` buffers: copy chunk i+2 in, update chunk
-i, copy chunk i-1 out, at once. Every order among them is kept on the device, each stream waiting for
-work that is already queued, so the host queues the whole step without waiting.
-NOTE: a streamed chunk's copy out starts within the step (its buffer is needed again), so at most
-``STAGING_CHUNKS`` of them are still running when the step returns.
+Chunks already on the GPU are updated first, in groups, while the first streamed chunks come in; their
+copies out are left for the loop's next points. The others stream through ``STAGING_CHUNKS`` buffers
+(chunk i+2 in, i updated, i-1 out, at once), every order kept on the device, so the host never waits.
+NOTE: a streamed chunk's copy out starts within the step (its buffer is needed again).
 """
 
 from __future__ import annotations
