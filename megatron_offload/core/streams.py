@@ -42,9 +42,8 @@ class Streams(Protocol):
 
 
 class CudaStreams:
-    """A side stream per direction, so that copies out and copies back use both copy engines at once
-    and never queue behind training's kernels. Memory for state comes from the compute stream's pool
-    (also when asked from autograd's thread), so what the state gives back is what activations use."""
+    """A side stream per direction: copies out and back use both copy engines, never behind training's
+    kernels. Blocks come from the compute stream's pool, the one activations use."""
 
     timed = True
 
@@ -61,9 +60,8 @@ class CudaStreams:
         return event
 
     def copy(self, direction: str, pairs: Pairs, after: Event | None) -> tuple[torch.cuda.Event, torch.cuda.Event]:
-        """Queue the copies on the direction's stream; returns their (start, end) events. ``after`` is
-        waited for on the device: the engine passes one only where it has already been queued (no wait
-        on work that could itself be held back behind this one)."""
+        """Queue the copies on the direction's stream; returns their (start, end) events. ``after``, waited
+        for on the device, must already be queued (never work that could be held back behind this)."""
         stream = self.side[direction]
         if after is not None:
             stream.wait_event(after)  # on the device, behind work already queued: it always proceeds

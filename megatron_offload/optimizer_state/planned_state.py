@@ -1,9 +1,6 @@
-"""The offloader's plan of the state and its host slab: made when the set of state tensors changes,
-kept (with its pinned slab) otherwise, so that a step walks the state once and pins nothing.
-
-Pinning is slow (about 0.5 s per GiB) and a new layout needs every chunk back on the GPU, so a plan is
-re-made only for a new set of tensors (a checkpoint load replaced them) and the slab only when it is
-too small. Knows the copies only as ``wait()`` and ``copies.drain()``: nothing may read the old layout.
+"""The offloader's plan of the state and its host slab, re-made only for a new set of state tensors
+(a checkpoint load), the slab only when too small: pinning is slow (0.5 s per GiB) and a new layout
+needs every chunk back. Knows the copies only as ``wait()`` and ``copies.drain()``.
 """
 
 from __future__ import annotations
