@@ -70,7 +70,7 @@ def offloader_run(state_gb: float, prefetch: str, small: torch.Tensor, repeats: 
     for step in range(repeats + 1):  # the first step creates Adam's moments
         if prefetch == "finalize":
             offloader.prefetch()
-            offloader.flush()  # as the finalize hook does: every copy back starts at once
+            offloader.copies.flush()  # as the finalize hook does: every copy back starts at once
         with offloader.params_on_device():  # offloaded masters look like GPU tensors: grads can be assigned
             for master in masters:
                 master.grad = torch.randn(master.shape, device="cuda")
@@ -78,7 +78,7 @@ def offloader_run(state_gb: float, prefetch: str, small: torch.Tensor, repeats: 
         wait = timed_read(small)
         start = time.perf_counter()
         pending = offloader.leaving_bytes
-        offloader.drain()
+        offloader.copies.drain()
         if step:
             waits.append(wait)
             drains.append(pending / max(time.perf_counter() - start, 1e-9) / GB)

@@ -1,13 +1,10 @@
 """Copies queued behind the event they depend on, started at the caller's points, retired when landed.
 
-Knows no optimizer and no Megatron: a ``Copy`` is a list of (destination, source) pairs in one
-direction plus the tensors it must keep alive. The ``CopyQueue`` has no thread of its own: every copy
-is started by the thread that calls ``pump()``, ``flush()``, ``start()`` or ``drain()``, at points it
-passes anyway. ``pump()`` never waits on the host: a copy whose dependency has not completed is left
-for the next point, and at most ``in_flight`` copies run per direction, so that a read queued behind
-them (a loss ``.item()``) waits for a few copies at most. A copy holds the memory it reads or fills
-until it has landed, so the allocator never hands that memory out while the copy uses it. A failed
-copy is raised at the next point, naming what it copied and which way.
+Knows no optimizer and no Megatron. No thread of its own: copies start in ``pump()``, ``flush()``,
+``start()`` or ``drain()``, called at points the caller passes anyway. ``pump()`` never waits on the
+host, and runs at most ``in_flight`` copies per direction, so a read queued behind them (a loss
+``.item()``) waits for a few copies at most. A copy holds the memory it reads or fills until it has
+landed; a failed copy is raised at the next point, naming what it copied and which way.
 """
 
 from __future__ import annotations
@@ -22,10 +19,8 @@ from megatron_offload.core.streams import OFFLOAD, PREFETCH, Event, Streams
 
 __all__ = ["IN_FLIGHT", "WAYS", "Copy", "CopyError", "CopyQueue"]
 
-# Copies started per direction and not yet landed. The copy engine serves a direction in the order
-# copies were queued, so a read queued behind them (a loss .item(), Megatron's after every step) waits
-# for these at most: two chunks of 64 MiB, 2.6 ms at 52 GB/s. Two, so that the link stays busy
-# between two points of the training loop.
+# Copies started per direction and not yet landed: a read queued behind them (a loss .item()) waits
+# for two chunks of 64 MiB at most (2.6 ms at 52 GB/s); two, so the link stays busy between points.
 IN_FLIGHT = 2
 WAYS = {OFFLOAD: "GPU to host", PREFETCH: "host to GPU"}
 
@@ -118,9 +113,8 @@ class CopyQueue:
         copy.pairs, copy.held = [], []
 
     def drain(self, nbytes: int | None = None) -> int:
-        """Start every queued copy, then block the host until copies out have freed at least ``nbytes``
-        (default: every copy, both ways, has landed), oldest first. Returns the bytes freed. Not for the
-        steady state: checkpoints, detach, sleep, and memory that ran short."""
+        """Start every queued copy, then block the host until copies out have freed ``nbytes`` (default:
+        every copy, both ways, landed), oldest first; returns the bytes freed. Not for the steady state."""
         freed = 0
         self.flush()
         for direction in (OFFLOAD,) if nbytes is not None else (OFFLOAD, PREFETCH):

@@ -6,7 +6,7 @@ Copy and wait times are read from CUDA events once they have completed, never by
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = ["OffloadStats", "Timing", "Timings"]
 
@@ -21,30 +21,21 @@ class OffloadStats:
     prefetches: int = 0
     bytes_offloaded: int = 0
     bytes_prefetched: int = 0
-    bytes_streamed: int = 0
-    """Bytes that came back through the streamed step rather than ahead of it."""
+    bytes_streamed: int = 0  # came back through the streamed step rather than ahead of it
     offload_seconds: float = 0.0
     prefetch_seconds: float = 0.0
-    exposed_seconds: float = 0.0
-    """Time the compute stream stood waiting for a prefetch: the copy time not hidden behind compute."""
+    exposed_seconds: float = 0.0  # the compute stream waiting for a prefetch: copy time not hidden
     last_offload_seconds: float = 0.0
     last_prefetch_seconds: float = 0.0
     last_exposed_seconds: float = 0.0
-    gpu_bytes_freed: int = 0
-    """Bytes of device memory released by the latest offload (0 while the state is on the GPU)."""
-    host_bytes: int = 0
-    """Size of the planned state in the host slab: every byte that may be offloaded."""
-    kept_bytes: int = 0
-    """State kept on the GPU across steps (``fraction`` below 1, or what ``auto`` chose)."""
+    gpu_bytes_freed: int = 0  # device memory released by the latest offload (0 while on the GPU)
+    host_bytes: int = 0  # the planned state in the host slab: every byte that may be offloaded
+    kept_bytes: int = 0  # state kept on the GPU across steps (``fraction`` below 1, or ``auto``'s)
     pinned: bool = True
-    hook_waits: int = 0
-    """Times a forward or backward hook stood waiting on the host for copies (0 in steady state)."""
-    step_backlog_bytes: int = 0
-    """Offload copies still pending when the latest step returned (bounded by the scheduler)."""
-    peak_allocated_bytes: int = 0
-    """The device's peak allocated memory since its last reset (``torch.cuda.max_memory_allocated``)."""
-    peak_reserved_bytes: int = 0
-    """The device's peak reserved memory: what the GPU really had to hold (``max_memory_reserved``)."""
+    hook_waits: int = 0  # times a hook waited on the host for copies (0 in steady state)
+    step_backlog_bytes: int = 0  # offload copies still pending when the latest step returned
+    peak_allocated_bytes: int = 0  # ``torch.cuda.max_memory_allocated`` since its last reset
+    peak_reserved_bytes: int = 0  # ``max_memory_reserved``: what the GPU really had to hold
 
     @property
     def offloaded_bytes(self) -> int:
@@ -52,12 +43,11 @@ class OffloadStats:
         return self.host_bytes - self.kept_bytes
 
 
-@dataclass
-class Timing:
-    """One timed span on the device, between two CUDA events."""
+class Timing(NamedTuple):
+    """One timed span on the device, between two CUDA events, of a ``kind`` (KINDS) and ``step``."""
 
-    kind: str  # one of KINDS
-    step: int  # the optimizer step it belongs to
+    kind: str
+    step: int
     start: Any
     end: Any
 

@@ -1,15 +1,11 @@
-"""The streams and events the state's copies run on: one side stream per direction beside the
-compute stream, on CUDA; immediate copies on the CPU, where the engine's bookkeeping is tested.
-
-Everything the engine knows of the device goes through ``Streams``: a mark on the compute stream, a
-copy on a side stream, the compute stream waiting for a copy, a block of device memory. So the CPU
-tests can hand the engine events that complete only when a test says so, and check that a copy whose
-dependency has not completed is left for the next point, that the in-flight bound holds, and that a
-failed copy is named at the next point.
+"""The streams and events copies run on: a side stream per direction beside the compute stream on
+CUDA; immediate copies on the CPU. Everything the copy core and its users know of the device goes
+through ``Streams``, so CPU tests can hand them events that complete only when a test says so.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -36,7 +32,7 @@ class Streams(Protocol):
 
     timed: bool
 
-    def mark(self) -> Event | None: ...
+    def mark(self, timed: bool = False) -> Event | None: ...
 
     def copy(self, direction: str, pairs: Pairs, after: Event | None) -> tuple[Event | None, Event | None]: ...
 
@@ -46,9 +42,8 @@ class Streams(Protocol):
 
 
 class CudaStreams:
-    """A side stream per direction, so that copies out and copies back use both copy engines at once
-    and never queue behind training's kernels. Memory for state comes from the compute stream's pool
-    (also when asked from autograd's thread), so what the state gives back is what activations use."""
+    """A side stream per direction: copies out and back use both copy engines, never behind training's
+    kernels. Blocks come from the compute stream's pool, the one activations use."""
 
     timed = True
 
@@ -57,16 +52,16 @@ class CudaStreams:
         self.compute = torch.cuda.current_stream(device)  # fixed at attach: training's stream
         self.side = {OFFLOAD: torch.cuda.Stream(device), PREFETCH: torch.cuda.Stream(device)}
 
-    def mark(self) -> torch.cuda.Event:
-        """The compute stream's current end: once it has completed, every kernel queued so far is done."""
-        event = torch.cuda.Event()
+    def mark(self, timed: bool = False) -> torch.cuda.Event:
+        """The compute stream's current end: once it has completed, every kernel queued so far is done.
+        ``timed``: an event that records time (sleep's per-part figures); the copies' marks need none."""
+        event = torch.cuda.Event(enable_timing=timed)
         event.record(self.compute)
         return event
 
     def copy(self, direction: str, pairs: Pairs, after: Event | None) -> tuple[torch.cuda.Event, torch.cuda.Event]:
-        """Queue the copies on the direction's stream; returns their (start, end) events. ``after`` is
-        waited for on the device: the engine passes one only where it has already been queued (no wait
-        on work that could itself be held back behind this one)."""
+        """Queue the copies on the direction's stream; returns their (start, end) events. ``after``, waited
+        for on the device, must already be queued (never work that could be held back behind this)."""
         stream = self.side[direction]
         if after is not None:
             stream.wait_event(after)  # on the device, behind work already queued: it always proceeds
@@ -92,7 +87,14 @@ class CudaStreams:
 
 
 class Done:
-    """An event that has completed (the CPU's copies are synchronous)."""
+    """An event that has completed, at a time on the host's clock (the CPU's copies are synchronous)."""
+
+    def __init__(self) -> None:
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, end: Done) -> float:
+        """Milliseconds to ``end``, as ``torch.cuda.Event.elapsed_time`` gives them."""
+        return (end.at - self.at) * 1e3
 
     def query(self) -> bool:
         return True
@@ -107,13 +109,14 @@ class HostStreams:
 
     timed = False
 
-    def mark(self) -> Event | None:
-        return None
+    def mark(self, timed: bool = False) -> Event | None:
+        return Done() if timed else None
 
     def copy(self, direction: str, pairs: Pairs, after: Event | None) -> tuple[Event | None, Event | None]:
+        began = Done()
         for destination, source in pairs:
             destination.copy_(source)
-        return None, Done()
+        return began, Done()
 
     def compute_waits(self, event: Event) -> tuple[Event | None, Event | None]:
         event.synchronize()  # the CPU has no device-side order: the data must be there before it is used

@@ -70,7 +70,7 @@ class _PrefetchOnFinalize:
             room = handle.scheduler.backward_room(allocated + handle.step_footprint())
             handle.prefetch(max_bytes=max(0, room) if handle.on_cuda else None)
             for offloader in handle.offloaders:
-                offloader.flush()  # all of it now: no read of the host waits behind copies back
+                offloader.copies.flush()  # all of it now: no read of the host waits behind copies back
         return self.inner(*args, **kwargs)
 
 
@@ -99,8 +99,8 @@ class OffloadHandle:
     def pump(self) -> None:
         """A point of the training loop: start and retire copies, never wait (engine.pump)."""
         for offloader in self.offloaders:
-            if not offloader.idle:
-                offloader.pump()
+            if not offloader.copies.idle:
+                offloader.copies.pump()
 
     def prefetch(self, max_bytes: int | None = None, landed_only: bool = False) -> int:
         """Start bringing state back, up to ``max_bytes`` (default: all); returns the bytes started."""
@@ -123,7 +123,7 @@ class OffloadHandle:
     def drain_offloads(self, nbytes: int | None = None) -> None:
         """Block until offloads have freed ``nbytes`` of GPU memory (default: all), oldest first."""
         for offloader in self.offloaders:
-            freed = offloader.drain(nbytes)
+            freed = offloader.copies.drain(nbytes)
             if nbytes is not None:
                 nbytes -= freed
                 if nbytes <= 0:
@@ -285,7 +285,7 @@ class OffloadHandle:
                 # start at the next points of the loop, a few at a time.
                 for offloader in self.offloaders:
                     offloader.offload(now=False)
-                    offloader.pump()
+                    offloader.copies.pump()
                 self._after_step()
                 self._install_finalize_hooks()
                 for hooks in (self._pacer, self._room):

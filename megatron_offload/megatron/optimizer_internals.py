@@ -228,7 +228,7 @@ def _save_from_host(sharded_state_dict: Callable[..., Any], offloader: Optimizer
         if is_loading:
             offloader.wait()
             return sharded_state_dict(*args, **kwargs)
-        offloader.host_copies_ready()
+        offloader.copies.drain()
         # megatron-core calls state_dict() and get_parameter_state_*() from here: let them read the host copies.
         _saving.add(id(offloader))
         try:

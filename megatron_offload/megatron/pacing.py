@@ -1,12 +1,8 @@
-"""The training loop's points: hooks where the copies move, and where memory is paced.
+"""The training loop's points: hooks where the copies move (``handle.pump()``, never a wait), and
+where memory is paced: when state may come back during backward, when the forward must free memory.
 
-Both kinds of hook are installed on about ``SAMPLES`` places per pass (every k-th module with
-parameters of its own, every k-th parameter), so they cost a few dozen calls per forward and per
-backward. Each first lets the copies move (``handle.pump()``: start what may start, retire what has
-landed, never wait), then paces memory: when state may come back during backward, and when the
-forward must free memory after all. They talk to the handle only and take their limits from its
-scheduler; they know nothing of Megatron: the adapter hands them the model chunks, the handle and how
-to tell the last micro-batch.
+Installed on about ``SAMPLES`` places per pass (every k-th module or parameter): a few dozen calls per
+forward and backward. They know the handle and its scheduler only, nothing of Megatron.
 """
 
 from __future__ import annotations
@@ -34,42 +30,27 @@ class Handle(Protocol):
     scheduler: StateScheduler
 
     def pump(self) -> None: ...
-
     def moves(self) -> bool: ...
-
     def prefetch(self, max_bytes: int | None = None, landed_only: bool = False) -> int: ...
-
     def pending_offload_bytes(self) -> int: ...
-
     def drain_offloads(self, nbytes: int | None = None) -> None: ...
-
     def kept_bytes(self) -> int: ...
-
     def evict(self, nbytes: int) -> int: ...
-
     def step_footprint(self) -> int: ...
-
     def count_hook_wait(self) -> None: ...
 
 
 class PrefetchDuringBackward:
-    """Brings state back during the last two micro-batches' backwards, only chunks whose copy out has
-    landed (no hook waits), as far as the memory limit allows. Driven by gradient-ready hooks.
-
-    What comes back must fit, in reserved bytes (the scheduler's figures):
-    - beside the forward's natural peak, which the last forward reaches again: from the next-to-last
-      backward on, state may come back into the room the limit leaves there (uncapped that is most of
-      the GPU, so the copies back hide behind the last micro-batches; under a cap, little);
-    - in the last backward also into what backward frees, less a margin for its temporaries, which come
-      and go between two hooks where no reading sees them. The margin is learned: twice the most memory
-      freed between two readings (one layer's saved activations);
-    - at the step, where what came back is still there when the step makes its own tensors
-      (megatron-core's fp32 gradient copies, Adam's temporaries, the streamed step's staging chunks):
-      what the step holds when it starts is learned too, and its extra is bounded.
-    Learned over earlier iterations; the first one that samples only learns.
-    NOTE: which backward is the last is counted, not read from DDP's ``is_last_microbatch``: Megatron-LM
-    installs ``no_sync`` only with --overlap-grad-reduce, so without it that flag is always set. The
-    first iteration counts the backwards (the firings of the param whose gradient comes first).
+    """Brings state back during the last two micro-batches' backwards (gradient-ready hooks), only
+    chunks whose copy out has landed (no hook waits), as far as the limit allows. In reserved bytes:
+    - from the next-to-last backward, into the room the forward's natural peak leaves under the limit;
+    - in the last backward also into what backward frees, less a learned margin for temporaries no
+      reading sees (twice the most memory freed between two readings: one layer's activations);
+    - bounded at the step, whose own tensors (fp32 grads, Adam's temporaries, staging) come on top of
+      what came back: what the step holds at its start is learned too.
+    The first iteration that samples only learns.
+    NOTE: the last backward is counted, not read from DDP's ``is_last_microbatch``: Megatron-LM installs
+    ``no_sync`` only with --overlap-grad-reduce, so without it that flag is always set.
     """
 
     def __init__(
@@ -148,15 +129,13 @@ class PrefetchDuringBackward:
 
 
 class RoomForForward:
-    """Frees memory in the forward, should the scheduler's forecast not hold.
+    """Frees memory in the forward, should the scheduler's forecast not hold (in steady state the step
+    leaves no more copies out pending than the forward has room for: one reading per hook, no wait).
 
-    The step returns with no more copies out pending than the next forward leaves room for (the
-    scheduler's backlog budget), so in steady state these hooks read memory once each and never wait.
-    The first forward (nothing learned, nothing pending) keeps the profile of what training needs
-    without state: the highest reading so far at each hook. Later, at each hook, what is allocated now
-    plus what the rest of the forward added in the first one must stay under the limit; if it would not
-    (the workload grew: a longer sequence, a bigger micro-batch), the hook waits for the oldest copies
-    out, then offloads kept state, on the host: slower, never out of memory where offloading fits.
+    The first forward records what training needs without state (the highest reading so far at each
+    hook). Later, if allocated now plus what the rest of the first forward added would pass the limit
+    (the workload grew), the hook waits for the oldest copies out, then offloads kept state: slower,
+    never out of memory where offloading fits.
     """
 
     def __init__(self, handle: Handle, model_chunks: Sequence[torch.nn.Module]) -> None:

@@ -1,10 +1,8 @@
 """A chunk's copies out and back, on the copy core (core/copies.py), and where its tensors point.
 
-A copy out is queued after the compute stream's last write to the chunk; a copy back after the compute
-work that last used the memory it comes back into. The ``CopyQueue`` starts them at the training
-loop's points; this module says what each start, landing and failure means for the chunk: its
-tensors point at its GPU block until its copy out starts, then at their host copy; at its block again
-once its copy back starts, with the compute stream told to wait for that copy before using it.
+A copy out waits for the compute stream's last write to the chunk, a copy back for the compute work
+that last used its memory. A chunk's tensors point at its GPU block until its copy out starts, then at
+their host copy; at its block again once its copy back starts (the compute stream waits for it).
 """
 
 from __future__ import annotations
@@ -33,9 +31,7 @@ class ChunkCopy(Copy):
 
     chunk: Chunk
     block: torch.Tensor | None  # the GPU memory it reads (offload) or fills (prefetch): held until it landed
-    in_block: list[bool] = field(
-        default_factory=list
-    )  # offload: per entry, read from the block (else from ``held``, in entry order)
+    in_block: list[bool] = field(default_factory=list)  # out: per entry, read from the block (else ``held``)
 
 
 class ChunkCopies:
@@ -49,30 +45,6 @@ class ChunkCopies:
     copies: CopyQueue
     step_index: int
     leaving_bytes: int
-
-    @property
-    def idle(self) -> bool:
-        """No copy queued or in flight: the hooks' fast way out."""
-        return self.copies.idle
-
-    def pump(self) -> None:
-        """One point of the training loop: retire what landed, start what may start. Never waits."""
-        self.copies.pump()
-
-    def flush(self) -> None:
-        """Start every queued copy now; each stream waits on the device for dependencies already queued."""
-        self.copies.flush()
-
-    def drain(self, nbytes: int | None = None) -> int:
-        """Block the host until copies out have freed ``nbytes`` of GPU memory (default: all landed)."""
-        return self.copies.drain(nbytes)
-
-    def start(self, copy: Copy) -> None:
-        """Start a queued copy now, its stream waiting on the device for a dependency already queued."""
-        self.copies.start(copy)
-
-    def compute_mark(self) -> Event | None:
-        return self.streams.mark()
 
     def new_block(self, nbytes: int) -> torch.Tensor:
         """Device memory for state, from the compute stream's pool."""
@@ -120,7 +92,7 @@ class ChunkCopies:
             if not in_it:  # storage of its own (made by the optimizer, or before the first offload)
                 keep.append(entry.tensor.data)
                 pairs.append((entry.host, entry.tensor.data))
-        after = self.compute_mark()  # the compute stream's last write to the chunk
+        after = self.streams.mark()  # the compute stream's last write to the chunk
         copy = self._chunk_copy(
             chunk, OFFLOAD, pairs, after=after, held=keep, frees=chunk.nbytes, block=chunk.block, in_block=in_block
         )
@@ -133,7 +105,7 @@ class ChunkCopies:
         the compute stream's current end, as that memory may have been used by work still queued)."""
         if block is None:
             block = self.new_block(chunk.nbytes)
-            after = after or self.compute_mark()
+            after = after or self.streams.mark()
         slab = self.slab
         pairs = [
             (block[offset : offset + size], slab[host : host + size])
@@ -221,7 +193,7 @@ class ChunkCopies:
         the compute stream after it on the device (timed: the copy time the step stood waiting)."""
         copy = chunk.copy
         if copy is not None and copy.direction == PREFETCH and copy.done is None:
-            self.start(copy)
+            self.copies.start(copy)
         elif copy is not None and copy.direction == OFFLOAD:
             if copy.done is None:
                 self._cancel(copy)  # never started: the chunk is still here

@@ -1,13 +1,9 @@
 """The optimizer's update of a subset of its params, bitwise equal to one ``step()`` over all of them.
 
-The streamed step updates the state chunk by chunk, as each arrives. For torch's Adam and AdamW (what
-megatron-core builds without TransformerEngine or apex) a chunk is one call of torch's own functional
-``adam`` per param group, with the lists made once per plan: one fused or foreach launch sequence per
-chunk, the same kernels ``step()`` runs, and none of its per-call walks. Any other optimizer, and a
-param whose state does not exist yet (its first step creates it), goes through ``RestrictedStep``:
-the optimizer's own ``step()`` with its param groups cut to the chunk. Both are bitwise equal to one
-call over all params for optimizers that update each param from its own state and gradient (Adam,
-AdamW, SGD), not for those that mix params (LAMB's global norm).
+For torch's Adam and AdamW a chunk is one call of torch's functional ``adam`` per param group, lists
+made once per plan: the kernels ``step()`` runs, none of its per-call walks. Anything else, and a
+param without state yet, goes through ``RestrictedStep`` (``step()`` with groups cut to the chunk).
+Bitwise equal for optimizers that update each param from its own state (not LAMB's global norm).
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Move an optimizer's per-parameter state to host memory between steps, and back for the next one.
 
-This module knows nothing of Megatron: it works on any ``torch.optim.Optimizer`` plus an optional list
-of extra tensors (fp32 master weights kept outside the optimizer state). The plan (plan.py, kept with
-its host slab by planned_state.py) cuts the state into chunks of whole parameters; this class moves
-them, chunk by chunk, on a side stream per direction, through the copy core (core/copies.py: queued
-behind the event they depend on, started at the caller's points, never a host wait on the steady
-path); chunk_copies.py says what a chunk's copy means for its tensors. Two things order the device
-where the caller needs the data now: ``hand_to_compute`` (the compute stream waits for a chunk's copy
-back) and ``flush`` (every queued copy starts, its stream waiting on the device for a dependency that
-is already queued).
+Knows nothing of Megatron: any ``torch.optim.Optimizer`` plus optional fp32 master weights. The plan
+(plan.py, kept with its host slab by planned_state.py) cuts the state into chunks of whole parameters;
+they move through the copy core (``self.copies``, core/copies.py), and chunk_copies.py says what a
+chunk's copy means for its tensors.
 """
 
 from __future__ import annotations
@@ -40,17 +35,12 @@ class OptimizerStateOffloader(PlannedState, ChunkCopies):
     the training loop's points moves it; ``prefetch(max_bytes)`` queues it back as memory allows;
     ``streamed_step.run`` steps chunk by chunk, streaming whatever is not back yet.
 
-    NOTE: tensor objects are never replaced, only what they hold: a chunk's tensors point at its GPU
-    block until its copy out starts, then at their host copy, which is whole once that copy has landed
-    (``host_copies_ready()`` before reading it on the CPU). A copy holds the GPU memory it reads or
-    fills until it has landed, so the allocator never hands that memory out while a copy uses it.
-    NOTE: ``offload()`` and the streamed step check the plan against the state (one walk each): a tensor
-    the plan does not hold, or ``plan_dirty`` (set after a checkpoint load), makes a new plan. Adam's
-    moments, made at its first step, join their param's chunk (the slab was sized for them).
-    NOTE: kept chunks (``fraction`` below 1, or chosen for ``auto``) are planned into the slab too, so
-    they can leave at once should memory run short.
-    NOTE: a chunk that came back but was never handed to the compute stream (a skipped step) is not
-    copied again: its host copy is still exact.
+    NOTE: tensor objects are never replaced, only what they hold; a host copy is whole once its copy
+    has landed (``copies.drain()`` before reading it on the CPU).
+    NOTE: a tensor the plan does not hold, or ``plan_dirty`` (after a checkpoint load), makes a new plan;
+    Adam's moments, made at its first step, join their param's chunk (the slab was sized for them).
+    NOTE: kept chunks are planned into the slab too, so they can leave at once should memory run short.
+    NOTE: a chunk that came back but was never handed to the compute stream is not copied again.
     """
 
     def __init__(
@@ -113,7 +103,7 @@ class OptimizerStateOffloader(PlannedState, ChunkCopies):
                 self.queue_offload(chunk)
                 started += chunk.nbytes
         self.count_plan()
-        self.flush()
+        self.copies.flush()
         return started
 
     @torch.no_grad()
@@ -125,7 +115,7 @@ class OptimizerStateOffloader(PlannedState, ChunkCopies):
             self._refresh_plan()
         queued = self.queue_out()
         if now:
-            self.flush()
+            self.copies.flush()
         if queued:
             self.count_step()
 
@@ -169,13 +159,13 @@ class OptimizerStateOffloader(PlannedState, ChunkCopies):
                 continue
             if max_bytes is not None and started + chunk.nbytes > max_bytes:
                 break
-            mark = mark or self.compute_mark()  # one mark for every block allocated here
+            mark = mark or self.streams.mark()  # one mark for every block allocated here
             self.queue_prefetch(chunk, self.new_block(chunk.nbytes), after=mark)
             started += chunk.nbytes
         if started:
             self.stats.prefetches += 1
             self.stats.gpu_bytes_freed = self.offloaded_bytes
-        self.pump()
+        self.copies.pump()
         return started
 
     def wait(self) -> None:
@@ -220,10 +210,6 @@ class OptimizerStateOffloader(PlannedState, ChunkCopies):
             for chunk, entry in swapped:
                 if not chunk.on_gpu:
                     entry.tensor.data = entry.host
-
-    def host_copies_ready(self) -> None:
-        """Block until every copy has landed, so CPU code can read offloaded state."""
-        self.drain()
 
     def restore(self) -> None:
         """Bring everything back to the device for good, each tensor in storage of its own again, and

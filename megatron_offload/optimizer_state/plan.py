@@ -1,10 +1,9 @@
 """Where each byte of offloadable optimizer state lives: chunks of whole parameters, laid out in one
 host slab. Knows nothing of copies, streams or Megatron.
 
-A chunk holds every offloadable tensor of a run of parameters (a parameter's master and moments always
-share a chunk), in the order the optimizer steps them; it is the unit that moves. Its tensors sit at
-aligned offsets in one device block while it is on the GPU, and in the same order in the host slab,
-so a chunk moves with one copy (two after Adam's first step, whose moments go at the end of the slab).
+A chunk, the unit that moves, holds every offloadable tensor of a run of parameters in step order, at
+aligned offsets in one device block and in the same order in the slab: one copy per move (two after
+Adam's first step, whose moments go at the end of the slab).
 """
 
 from __future__ import annotations

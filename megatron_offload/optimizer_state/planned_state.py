@@ -1,9 +1,6 @@
-"""The offloader's plan of the state and its host slab: made when the set of state tensors changes,
-kept (with its pinned slab) otherwise, so that a step walks the state once and pins nothing.
-
-Pinning is slow (about 0.5 s per GiB) and a new layout needs every chunk back on the GPU, so a plan is
-re-made only for a new set of tensors (a checkpoint load replaced them) and the slab only when it is
-too small. Knows the copies only as ``wait()`` and ``drain()``: nothing may read the old layout.
+"""The offloader's plan of the state and its host slab, re-made only for a new set of state tensors
+(a checkpoint load), the slab only when too small: pinning is slow (0.5 s per GiB) and a new layout
+needs every chunk back. Knows the copies only as ``wait()`` and ``copies.drain()``.
 """
 
 from __future__ import annotations
@@ -13,6 +10,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from megatron_offload.core.copies import CopyQueue
 from megatron_offload.core.host_memory import HostSlab, check_host_room
 from megatron_offload.core.stats import OffloadStats
 from megatron_offload.core.units import GIB
@@ -41,7 +39,7 @@ class PlannedState:
     _slab: HostSlab | None
     _warned_shared: set[int]
     wait: Callable[[], None]  # the offloader's: every chunk back and usable
-    drain: Callable[[], int]  # the copy queue's: every copy landed
+    copies: CopyQueue
 
     # ----------------------------------------------------------------------------------- state
     @property
@@ -83,7 +81,7 @@ class PlannedState:
         if self._slab is not None and key == self.plan.key:
             return
         self.wait()
-        self.drain()  # no copy may still read or write the slab in the old layout
+        self.copies.drain()  # no copy may still read or write the slab in the old layout
         cuts = planning.cut(self.optimizer, found, self.chunk_bytes)
         self._make_room(sum(expected for piece in cuts for _, _, expected in piece))
         sizes = [sum(expected for _, _, expected in piece) for piece in cuts]
@@ -132,7 +130,7 @@ class PlannedState:
         self._slab = HostSlab(host_bytes, torch.uint8, self.pin_memory)
 
     def _release_slab(self) -> None:
-        self.drain()  # a copy may still be reading or writing the old slab: idle before freeing it
+        self.copies.drain()  # a copy may still be reading or writing the old slab: idle before freeing it
         if self._slab is not None:
             self._slab.release()
         self.plan, self._slab = Plan(), None

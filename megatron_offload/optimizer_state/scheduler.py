@@ -1,23 +1,12 @@
 """How much optimizer state may be on the GPU, and when, against one memory limit.
 
-The limit is the cap when there is one (``--offload-gpu-memory-cap-gib``), else what this process
-holds plus what the device has free. It is counted in the currency the allocator enforces it in:
-*reserved* bytes (allocated memory plus the allocator's cached blocks).
-
-What the scheduler learns, from readings the training loop hands it (no CUDA here, so it is tested on
-the CPU with made-up memory profiles):
-- the natural peak: what training needs without any optimizer state on the GPU. Iteration 1 runs
-  with all of it offloaded and nothing brought back ahead of the step, so the process's peaks at its
-  step are natural (allocated and reserved; their gap is the allocator's caching overhead);
-- growth: when a later iteration's peak (read at each step start) passes every earlier one, the
-  forward and backward grew (a longer sequence, a bigger micro-batch): the natural peak grows by that.
-
-What it decides:
-- ``kept_budget``: for ``--offload-fraction auto``, the state that may stay on the GPU for good:
-  the limit, less the natural peak, less a safety margin;
-- ``backlog_budget``: the offload copies that may still be pending when a step returns, so that the
-  next forward finds the room it needs without waiting: the same room, less what is kept;
-- ``backward_room``: in the last backward, how much may come back without passing the limit.
+The limit is the cap (``--offload-gpu-memory-cap-gib``), else what this process holds plus what the
+device has free, in *reserved* bytes: the currency the allocator enforces it in. From readings the
+loop hands it (no CUDA here: tested on the CPU) it learns the natural peak, training's need without
+state (iteration 1 runs with all of it offloaded), and its growth (a later peak passing every earlier
+one). It decides ``kept_budget`` (``--offload-fraction auto``: the limit less the natural peak and a
+margin), ``backlog_budget`` (copies out that may still be pending when a step returns: the same room
+less what is kept) and ``backward_room`` (what may come back in the last backward).
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """The optimizer step, chunk by chunk, streaming what is not back yet through a few GPU buffers.
 
-Chunks already on the GPU when the step starts (kept, or brought back during backward) are updated
-first, in groups, while the first streamed chunks come in; their copies out are queued, for the
-training loop's next points to start a few at a time (so a read right after the step never waits
-behind them). The others stream through ``STAGING_CHUNKS`` buffers: copy chunk i+2 in, update chunk
-i, copy chunk i-1 out, at once. Every order among them is kept on the device, each stream waiting for
-work that is already queued, so the host queues the whole step without waiting.
-NOTE: a streamed chunk's copy out starts within the step (its buffer is needed again), so at most
-``STAGING_CHUNKS`` of them are still running when the step returns.
+Chunks already on the GPU are updated first, in groups, while the first streamed chunks come in; their
+copies out are left for the loop's next points. The others stream through ``STAGING_CHUNKS`` buffers
+(chunk i+2 in, i updated, i-1 out, at once), every order kept on the device, so the host never waits.
+NOTE: a streamed chunk's copy out starts within the step (its buffer is needed again).
 """
 
 from __future__ import annotations
@@ -62,7 +58,7 @@ def run(off: OptimizerStateOffloader, stepper: ChunkStepper, after_chunk: AfterC
     (Megatron copies the masters into the model there). State the optimizer creates on the way (Adam's
     moments, at its first step) joins its chunk and leaves with it. Falls back to one whole step when
     the plan does not match the state (after a load replaced tensors)."""
-    off.pump()  # a failed copy is named here, before anything is updated
+    off.copies.pump()  # a failed copy is named here, before anything is updated
     off.check_gradients()
     stepper.begin()
     if stepper.plan is not off.plan:
@@ -94,7 +90,7 @@ def run(off: OptimizerStateOffloader, stepper: ChunkStepper, after_chunk: AfterC
     streamed = [chunk for chunk in chunks if not (chunk.on_gpu or chunk.copy is not None)]
     size = max((c.nbytes for c in streamed), default=0)
     staging = [off.new_block(size) for _ in range(min(STAGING_CHUNKS, len(streamed)))]
-    fresh = off.compute_mark()  # the staging memory may have been used by compute work still queued
+    fresh = off.streams.mark()  # the staging memory may have been used by compute work still queued
     off.stats.bytes_streamed += sum(chunk.nbytes for chunk in streamed)
 
     def update(group: list[Chunk]) -> bool:
@@ -113,7 +109,7 @@ def run(off: OptimizerStateOffloader, stepper: ChunkStepper, after_chunk: AfterC
     def bring_in(index: int, after: object) -> None:
         chunk = streamed[index]
         buffer = staging[index % STAGING_CHUNKS][: chunk.nbytes]
-        off.start(off.queue_prefetch(chunk, buffer, after=after))
+        off.copies.start(off.queue_prefetch(chunk, buffer, after=after))
 
     try:
         for index in range(min(STAGING_CHUNKS - 1, len(streamed))):
@@ -131,7 +127,7 @@ def run(off: OptimizerStateOffloader, stepper: ChunkStepper, after_chunk: AfterC
             if created and excess > 0:
                 # Adam's first step makes the moments in memory of their own, faster than they can leave:
                 # on the host, once, wait for the oldest to land, so that step holds a few chunks too.
-                off.drain(excess)
+                off.copies.drain(excess)
             upcoming = index + STAGING_CHUNKS - 1
             if upcoming < len(streamed):
                 before = upcoming - STAGING_CHUNKS  # the chunk that used this buffer last
@@ -140,4 +136,4 @@ def run(off: OptimizerStateOffloader, stepper: ChunkStepper, after_chunk: AfterC
     finally:
         off.queue_out()  # whatever is still here and not kept leaves, never half-way (the plan was checked above)
         off.count_step()
-        off.pump()
+        off.copies.pump()

@@ -1,9 +1,9 @@
 """Flat device buffers parked whole in pinned host memory: the gradient and parameter buffers of a sleep.
 
-Knows nothing of Megatron: a buffer is a tensor whose whole storage moves. This module only queues
-copies on whatever stream the caller made current and frees or grows storages; which stream, what the
-copies wait for and when freeing is safe are decided by the caller (sleep.py), which sees every part
-of a sleep at once and can line them up on the link back to back.
+Knows nothing of Megatron: a buffer is a tensor whose whole storage moves. This module only makes a
+part's copies (a ``Copy`` of the copy core) and frees or grows storages; when they start, what they
+wait for and when freeing is safe are decided by the caller (sleeper.py), which sees every part of a
+sleep at once and lines them up on the link back to back.
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_offload.core.copies import Copy
 from megatron_offload.core.host_memory import HostSlab
+from megatron_offload.core.streams import OFFLOAD, PREFETCH, Event
 from megatron_offload.core.units import MIB
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "ParkedBuffers", "Transfer"]
@@ -111,11 +113,11 @@ class ParkedBuffers:
             offset += _aligned(size)
         return pairs
 
-    def queue_copies_out(self) -> None:
-        """Queue every storage's copy to the host slab on the current stream (all at once: one stream,
-        no host round trip between pieces). The caller orders the stream and frees only once they landed."""
-        for device, host in self._pairs():
-            host.copy_(device, non_blocking=True)
+    def copy_out(self, after: Event | None) -> Copy:
+        """Every storage's copy to the host slab, as one copy (its pieces queued at once, no host round
+        trip between them), after ``after``. The caller frees the storages only once it landed."""
+        pairs = [(host, device) for device, host in self._pairs()]
+        return Copy(OFFLOAD, pairs, after=after, label=f"sleep's {self.name} buffers", frees=self.nbytes)
 
     def free(self) -> None:
         """Give every storage's device memory back to the caching allocator; views stay valid objects."""
@@ -128,11 +130,10 @@ class ParkedBuffers:
         for tensor, size in zip(self.tensors, self.sizes, strict=True):
             tensor.untyped_storage().resize_(size)
 
-    def queue_copies_in(self) -> None:
-        """Queue every storage's copy back from the host slab on the current stream, all at once."""
-        for device, host in self._pairs():
-            device.copy_(host, non_blocking=True)
+    def copy_in(self, after: Event | None) -> Copy:
+        """Every storage's copy back from the host slab, as one copy, after ``after`` (the allocation)."""
         self.parked = False
+        return Copy(PREFETCH, self._pairs(), after=after, label=f"sleep's {self.name} buffers")
 
     def release(self) -> None:
         """Unpin and drop the host slab (the caller has made sure no copy uses it)."""

@@ -13,27 +13,29 @@ sleep (said in the log). Where the state already lives on the host between steps
 is pinned twice.
 
 The parts of a sleep or wake go over the link one after another, never beside each other: the
-buffers' copies on one side stream, queued all at once, then the engine's copies, which it orders
-after the compute stream's queued work, so making the compute stream wait for the buffers' copies
-puts the state's behind them. Each part's time is read from CUDA events, and a wake allocates the
-next part's device memory while the link carries the previous part.
+buffers' copies through the copy core (core/copies.py: one ``Copy`` per part, on one side stream,
+started all at once), then the engine's copies, which it orders after the compute stream's queued
+work, so making the compute stream wait for the buffers' copies puts the state's behind them. Each
+part's time is read from CUDA events, and a wake allocates the next part's device memory while the
+link carries the previous part.
 
 This module knows nothing of Megatron: parts are optimizer offloaders and lists of tensors whose whole
-storage is parked. Of the engine it uses ``prepare()``, ``offload()``, ``host_copies_ready()``,
+storage is parked. Of the engine it uses ``prepare()``, ``offload()``, ``copies.drain()``,
 ``wait()``, ``restore()``, ``offloaded_bytes`` and ``estimated_host_bytes()``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from megatron_offload.core.copies import CopyQueue
 from megatron_offload.core.host_memory import HOST_MEMORY_HEADROOM, available_host_bytes
+from megatron_offload.core.streams import Event, streams_for
 from megatron_offload.core.units import GIB
 from megatron_offload.optimizer_state.offloader import OptimizerStateOffloader
 from megatron_offload.sleep.parked_buffers import DEFAULT_CHUNK_BYTES, ParkedBuffers, Transfer
@@ -99,27 +101,6 @@ class SleepReport:
         return line
 
 
-class _Mark:
-    """A point in a stream's work (a CUDA event that records time), or the host's clock without CUDA."""
-
-    def __init__(self, stream: torch.cuda.Stream | None) -> None:
-        self.event: torch.cuda.Event | None = None
-        self.host = time.perf_counter()
-        if stream is not None:
-            self.event = torch.cuda.Event(enable_timing=True)
-            self.event.record(stream)
-
-    def synchronize(self) -> None:
-        if self.event is not None:
-            self.event.synchronize()
-
-    def seconds_since(self, earlier: _Mark) -> float:
-        """Both marks must have been reached (the caller synchronized on the later one)."""
-        if self.event is None or earlier.event is None:
-            return self.host - earlier.host
-        return earlier.event.elapsed_time(self.event) / 1e3
-
-
 def _memory() -> tuple[int, int, int]:
     """(device free, allocated, reserved) bytes of the current device; zeros without CUDA."""
     if not torch.cuda.is_available():
@@ -165,7 +146,7 @@ class Sleeper:
         if device is None and torch.cuda.is_available():
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
-        self._side: torch.cuda.Stream | None = None
+        self._copies: CopyQueue | None = None  # made at the first sleep: its side stream, on CUDA
 
     @property
     def parts(self) -> tuple[str, ...]:
@@ -227,23 +208,17 @@ class Sleeper:
             self._state_pinned = True
         return Transfer(name, nbytes, time.perf_counter() - start)
 
-    # ---------------------------------------------------------------------------------- streams
+    # ---------------------------------------------------------------------------------- copies
     @property
     def _on_cuda(self) -> bool:
         return self.device is not None and self.device.type == "cuda"
 
-    def _compute(self) -> torch.cuda.Stream | None:
-        return torch.cuda.current_stream(self.device) if self._on_cuda else None
-
-    def _side_stream(self) -> torch.cuda.Stream | None:
-        if self._side is None and self._on_cuda:
-            self._side = torch.cuda.Stream(self.device)
-        return self._side
-
-    @contextlib.contextmanager
-    def _on(self, stream: torch.cuda.Stream | None) -> Iterator[None]:
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            yield
+    @property
+    def copies(self) -> CopyQueue:
+        """The buffers' copies, on a side stream beside the compute stream current at the first use."""
+        if self._copies is None:
+            self._copies = CopyQueue(streams_for(self.device if self._on_cuda else None))
+        return self._copies
 
     # ------------------------------------------------------------------------------------ sleep
     def _check(self, parts: tuple[str, ...]) -> None:
@@ -280,44 +255,47 @@ class Sleeper:
                 sum(t.seconds for t in report.pinned),
             )
         buffers = [self.buffers[name] for name in names if name in self.buffers]
-        compute, side = self._compute(), self._side_stream()
-        if side is not None:
-            # The copies read what kernels queued on the compute stream write (a sleep right after a step).
-            side.wait_stream(compute)
-        link = _Mark(side)  # where the link is ours: after the compute stream's queued work
-        timed: list[tuple[Transfer, _Mark, _Mark]] = []  # (part, its copies could start, they landed)
+        queue = self.copies
+        streams = queue.streams
+        # The copies read what kernels queued on the compute stream write (a sleep right after a step):
+        # each part's copy starts at once, its side stream waiting on the device for that work.
+        after = streams.mark()
+        timed: list[tuple[Transfer, Event, Event]] = []  # (part, its copies started, they landed)
+        link: Event | None = None  # the latest copy's end: the link is free after it
         for part in buffers:
-            with self._on(side):
-                part.queue_copies_out()
-            landed = _Mark(side)
-            timed.append((Transfer(part.name, part.nbytes, 0.0), link, landed))
-            link = landed
-        if side is not None:
+            copy = queue.put(part.copy_out(after), now=True)
+            timed.append((Transfer(part.name, part.nbytes, 0.0), copy.began, copy.done))
+            link = copy.done
+        if link is not None:
             # The engine orders its copies after the compute stream's queued work: this puts them behind
             # the buffers' on the link (one part at a time, each timed on its own), and keeps compute work
             # from writing a buffer before its copy has read it.
-            compute.wait_event(link.event)
-        buffers_landed = link
+            streams.compute_waits(link)
         if self.OPTIMIZER in names:
+            began = link or streams.mark(timed=True)
             moved = self._offload_state()  # returns once the state's copies have landed
-            landed = _Mark(compute)  # nothing else is queued on the compute stream: reached at once
-            timed.append((Transfer(self.OPTIMIZER, moved, 0.0), link, landed))
-            link = landed
+            landed = streams.mark(timed=True)  # nothing else is queued on the compute stream: reached at once
+            timed.append((Transfer(self.OPTIMIZER, moved, 0.0), began, landed))
         # On the host: a buffer's device memory is freed next, so its copies must have landed.
-        buffers_landed.synchronize()
+        queue.drain()
         for part in buffers:
             part.free()
         if self._on_cuda:
             # What we freed sits in PyTorch's cache, still taken as far as the device is concerned.
             torch.cuda.empty_cache()
         report.seconds = time.perf_counter() - start
-        link.synchronize()  # reached already; elapsed times need every mark reached
-        for transfer, began, landed in timed:
-            transfer.seconds = landed.seconds_since(began)
-            report.transfers.append(transfer)
+        report.transfers = self._timed(timed)
         report.device_free_after, report.allocated_after, report.reserved_after = _memory()
         self.asleep, self.last_report = names, report
         return report
+
+    def _timed(self, timed: list[tuple[Transfer, Event, Event]]) -> list[Transfer]:
+        """Each part with its time on the link, once the last mark was reached (elapsed times need it)."""
+        if timed:
+            timed[-1][2].synchronize()  # after every other: the state's, or the buffers' last copy
+        for transfer, began, landed in timed:
+            transfer.seconds = began.elapsed_time(landed) / 1e3
+        return [transfer for transfer, _, _ in timed]
 
     def _offload_state(self) -> int:
         """Offload the state through the engine; returns the bytes that left the device."""
@@ -326,7 +304,7 @@ class Sleeper:
             offloader.offload()  # every chunk's copy queued at once, after the compute stream's work
         for offloader in self.offloaders:
             # Blocks until the copies have landed and the engine has dropped the device memory they read.
-            offloader.host_copies_ready()
+            offloader.copies.drain()
         return sum(o.offloaded_bytes for o in self.offloaders) - before
 
     # ------------------------------------------------------------------------------------- wake
@@ -339,41 +317,33 @@ class Sleeper:
         start = time.perf_counter()
         # The smallest first: the first part's allocation is the only one no copy runs beside.
         buffers = sorted((self.buffers[n] for n in self.asleep if n in self.buffers), key=lambda p: p.nbytes)
-        compute, side = self._compute(), self._side_stream()
-        timed: list[tuple[Transfer, _Mark, _Mark]] = []  # (part, its copies could start, they landed)
-        link: _Mark | None = None
+        queue = self.copies
+        streams = queue.streams
+        timed: list[tuple[Transfer, Event, Event]] = []  # (part, its copies started, they landed)
+        link: Event | None = None
         for part in buffers:
             allocating = time.perf_counter()
             part.allocate()  # on the compute stream, while the link carries the previous part
             setup = time.perf_counter() - allocating
-            if side is not None:
-                # The allocator may hand out memory that kernels queued on the compute stream still use.
-                side.wait_stream(compute)
-            link = link or _Mark(side)  # the link is ours from here: after the first part's allocation
-            with self._on(side):
-                part.queue_copies_in()
-            landed = _Mark(side)
-            timed.append((Transfer(part.name, part.nbytes, 0.0, setup), link, landed))
-            link = landed
-        if side is not None and link is not None:
+            # The allocator may hand out memory that kernels queued on the compute stream still use.
+            copy = queue.put(part.copy_in(streams.mark()), now=True)
+            timed.append((Transfer(part.name, part.nbytes, 0.0, setup), copy.began, copy.done))
+            link = copy.done
+        if link is not None:
             # Compute work must not read a buffer before its copy has landed; and the engine's copies,
             # which it orders after the compute stream's queued work, go behind the buffers' on the link.
-            compute.wait_event(link.event)
+            streams.compute_waits(link)
         if self.OPTIMIZER in self.asleep and not self.state_lives_on_host:
-            link = link or _Mark(compute)
+            began = link or streams.mark(timed=True)
             moved = sum(o.offloaded_bytes for o in self.offloaders)
             for offloader in self.offloaders:
                 offloader.wait()  # the compute stream is ordered after its copies, on the device
-            landed = _Mark(compute)  # reached once the engine's copies landed: the compute stream waits for them
-            timed.append((Transfer(self.OPTIMIZER, moved, 0.0), link, landed))
-            link = landed
-        if link is not None:
-            # On the host: when wake() returns every byte is in place (and the times are the transfers').
-            link.synchronize()
+            # Reached once the engine's copies landed: the compute stream waits for them.
+            timed.append((Transfer(self.OPTIMIZER, moved, 0.0), began, streams.mark(timed=True)))
+        # On the host: when wake() returns every byte is in place (and the times are the transfers').
+        queue.drain()
+        report.transfers = self._timed(timed)
         report.seconds = time.perf_counter() - start
-        for transfer, began, landed in timed:
-            transfer.seconds = landed.seconds_since(began)
-            report.transfers.append(transfer)
         if self.OPTIMIZER in self.asleep and self.state_lives_on_host:
             # The attached handle brings the state back during the next step, as after any step.
             report.transfers.append(Transfer(self.OPTIMIZER, 0, 0.0))

@@ -72,12 +72,12 @@ def test_a_copy_whose_dependency_is_running_is_left_for_the_next_point() -> None
     streams = ManualStreams()
     offloader, _ = offloader_with(streams)
     offloader.offload(now=False)
-    offloader.pump()
+    offloader.copies.pump()
     assert streams.started == []  # the compute stream's last write has not completed: nothing starts
     assert all(chunk.on_gpu for chunk in offloader.chunks)  # still whole where it was
     for gate in streams.marks:
         gate.open = True
-    offloader.pump()
+    offloader.copies.pump()
     assert [direction for direction, _ in streams.started] == ["offload"] * IN_FLIGHT
 
 
@@ -86,10 +86,10 @@ def test_at_most_in_flight_copies_per_direction_and_memory_held_until_landed() -
     offloader, _ = offloader_with(streams)
     offloader.offload()  # every chunk onto the host, landed
     streams.open_all()
-    offloader.drain()
+    offloader.copies.drain()
     offloader.prefetch()  # back into new blocks, a few at a time
     streams.open_all()
-    offloader.pump()
+    offloader.copies.pump()
     assert len(offloader.chunks) > IN_FLIGHT + 1
     for chunk in offloader.chunks:  # the step hands them to compute; now they leave
         offloader.hand_to_compute(chunk)
@@ -98,15 +98,15 @@ def test_at_most_in_flight_copies_per_direction_and_memory_held_until_landed() -
     for gate in streams.marks:
         gate.open = True
     started = len(streams.started)
-    offloader.pump()
+    offloader.copies.pump()
     assert len(streams.started) - started == IN_FLIGHT  # bounded, although every dependency is done
     first = offloader.chunks[0]
     assert not first.on_gpu and blocks[0]() is not None  # pointing at the host; its block held by the copy
-    offloader.pump()
+    offloader.copies.pump()
     assert len(streams.started) - started == IN_FLIGHT  # none landed yet: nothing more starts
     for _, gate in streams.started[started:]:
         gate.open = True
-    offloader.pump()
+    offloader.copies.pump()
     assert blocks[0]() is None  # landed: its GPU memory is given back
     assert len(streams.started) - started == 2 * IN_FLIGHT
 
@@ -116,17 +116,17 @@ def test_a_failed_copy_is_named_at_the_next_point_and_the_chunk_keeps_whole_data
     offloader, masters = offloader_with(streams)
     offloader.offload()
     streams.open_all()
-    offloader.drain()
+    offloader.copies.drain()
     offloader.wait()
     streams.open_all()
     values = [master.detach().clone() for master in masters]
     offloader.offload(now=False)
     for gate in streams.marks:
         gate.open = True
-    offloader.pump()
+    offloader.copies.pump()
     streams.started[-IN_FLIGHT][1].error = "injected: copy failed"
     with pytest.raises(OffloadCopyError, match=r"chunk 1 of \d+ .*GPU to host.*injected: copy failed"):
-        offloader.pump()
+        offloader.copies.pump()
     failed = offloader.chunks[0]
     assert failed.on_gpu  # pointing at the GPU memory its copy read, which holds the values
     for master, value in zip(masters, values, strict=True):
@@ -140,7 +140,7 @@ def test_a_chunk_wanted_back_before_its_copy_out_started_simply_stays() -> None:
     offloader.offload(now=False)  # queued; the compute stream has not finished writing yet
     assert offloader.leaving_bytes == offloader.stats.host_bytes
     assert offloader.prefetch() == 0  # nothing to copy back: it never left
-    assert offloader.leaving_bytes == 0 and offloader.idle
+    assert offloader.leaving_bytes == 0 and offloader.copies.idle
     assert all(chunk.on_gpu for chunk in offloader.chunks)
 
 
@@ -150,7 +150,7 @@ def test_a_chunk_wanted_back_while_its_copy_out_runs_comes_back_without_a_copy()
     offloader.offload(now=False)
     for gate in streams.marks:
         gate.open = True
-    offloader.pump()
+    offloader.copies.pump()
     first = offloader.chunks[0]
     out = first.copy
     assert not first.on_gpu and out is not None

@@ -42,7 +42,7 @@ def run_step(offloader: OptimizerStateOffloader, after_chunk=None) -> None:
     try:
         streamed_step.run(offloader, stepper, after_chunk)
     finally:
-        offloader.drain()
+        offloader.copies.drain()
 
 
 def in_host_slab(offloader: OptimizerStateOffloader, tensor: torch.Tensor) -> bool:
@@ -121,7 +121,7 @@ def test_offloaded_state_reads_and_writes_the_host_copy() -> None:
     offloader = offloader_for(optimizer, masters)
     expected = optimizer.state[masters[1]]["exp_avg"].clone()
     offloader.offload()
-    offloader.host_copies_ready()
+    offloader.copies.drain()
     exp_avg = optimizer.state[masters[1]]["exp_avg"]
     assert torch.equal(exp_avg, expected)  # readable while offloaded: a checkpoint save needs no GPU copy
     exp_avg.fill_(7.0)  # a checkpoint load writing while offloaded
@@ -358,7 +358,7 @@ def test_eviction_offloads_kept_chunks_with_their_values() -> None:
     assert offloader.stats.kept_bytes == offloader.stats.host_bytes and not offloader.is_offloaded
     started = offloader.evict(1)
     assert 0 < started < offloader.stats.host_bytes  # the first kept chunk, not all of them
-    offloader.drain()
+    offloader.copies.drain()
     evicted = [chunk for chunk in offloader.chunks if (not chunk.on_gpu)]
     assert len(evicted) == 1 and not evicted[0].kept
     assert offloader.stats.kept_bytes == offloader.stats.host_bytes - evicted[0].nbytes
@@ -410,7 +410,7 @@ def test_exception_in_the_streamed_step_leaves_everything_offloaded() -> None:
         run_step(offloader, fail_on_third_chunk)
     # Everything is leaving: out already, or queued for the next points, never half-way.
     assert all(not chunk.on_gpu or chunk.copy is not None for chunk in offloader.chunks)
-    offloader.drain()
+    offloader.copies.drain()
     assert all(not chunk.on_gpu for chunk in offloader.chunks)
     offloader.wait()
     updated = {id(p) for params in calls for p in params}

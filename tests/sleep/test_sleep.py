@@ -14,6 +14,8 @@ import torch
 
 from megatron_offload import OptimizerStateOffloader
 from megatron_offload.core import host_memory
+from megatron_offload.core.copies import CopyError, CopyQueue
+from megatron_offload.core.streams import HostStreams
 from megatron_offload.sleep import sleeper as sleep
 from megatron_offload.sleep.sleeper import Sleeper, SleepError, SleepReport, Transfer
 
@@ -294,3 +296,21 @@ def test_a_reports_line_says_what_moved_and_what_the_allocator_kept(monkeypatch:
     )
     prepared = SleepReport("prepare", [Transfer("grads", 2_000_000_000, 1.0)], seconds=1.0)
     assert prepared.describe() == "pinned host memory for sleep: grads 2.00 GB at 2.0 GB/s (1.00 s)"
+
+
+class FailingStreams(HostStreams):
+    """Copies that fail as they start, like a CUDA error on the side stream."""
+
+    def copy(self, direction, pairs, after):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_a_failed_buffer_copy_names_the_part_and_frees_nothing() -> None:
+    """The buffers' copies go through the copy core: a failure is named there, before any storage is freed."""
+    setup = Setup()
+    sleeper = setup.sleeper()
+    sleeper._copies = CopyQueue(FailingStreams())
+    with pytest.raises(CopyError, match="copy failed: sleep's grads buffers, GPU to host \\(RuntimeError: CUDA"):
+        sleeper.sleep(["grads"])
+    assert not sleeper.is_asleep and setup.grads.untyped_storage().nbytes() == 300 * 4
+    assert sleeper.copies.idle
