@@ -15,6 +15,10 @@
 #            trace        separate profiled runs (--log-interval 1, torch.profiler through Megatron's
 #                         --profile) and benchmarks/trace_summary.py's verdict ($TRACE_ARGS narrows it)
 #            integration  scripts/integration.py entries for $GPUS GPUs
+#            sweep        (not in the default) the memory-speed curve under caps ($SWEEP_ARGS)
+#            weights      (not in the default) benchmarks/weight_streaming.py: configs/gpt_1b.yaml at micro-batch 8
+#                         beside no offload, log intervals 1 and 5 (~7 min), and configs/gpt_4b.yaml under a
+#                         20 GiB cap (~4 min): run as two calls, WEIGHTS_PART=speed or fit
 #          GPUS=1|2 (default: as many GPUs as there are, at most 2); BENCH_STEPS (6)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -80,6 +84,16 @@ if wants sweep; then  # not in the default PARTS: the memory-speed curve, ~6-8 m
   echo "=== memory-speed curve under caps (${SWEEP_ARGS:---global-batch 8 --caps 90 50 0})"
   side sweep --sweep ${SWEEP_ARGS:---global-batch 8 --caps 90 50 0}  # curve.json, curve.png, curve.txt in sweep/
   [ -z "${OUT:-}" ] || { tar czf "$OUT/sweep.tgz" "$results"/sweep/curve.* "$results"/sweep/*.log 2>/dev/null; cp "$results"/sweep/curve.{json,png,txt} "$OUT/" 2>/dev/null; }
+fi
+if wants weights; then  # not in the default PARTS: ~7 min (speed) or ~4 min (fit) per call
+  case ${WEIGHTS_PART:-speed} in
+    speed) weights_args=(--config configs/gpt_1b.yaml --extra "--micro-batch-size 8 --global-batch-size 64" --train-iters 10 --log-intervals 1 5) ;;
+    fit) weights_args=(--config configs/gpt_4b.yaml --train-iters 20 --log-intervals --fit 20) ;;
+  esac
+  echo "=== weight streaming (${WEIGHTS_PART:-speed})"
+  python3 benchmarks/weight_streaming.py --megatron-lm "${MEGATRON_LM:-.megatron-lm}" "${weights_args[@]}" \
+    --out "$results/weights" 2>&1 | tee "$results/weights.log" | grep -vE "Warning|warn" | tail -n 12
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if wants integration; then
   echo "=== megatron-core ${versions[-1]}: integration runs on $gpus GPU(s)"
