@@ -440,7 +440,7 @@ def main() -> int:
         type=float,
         metavar=("PEAK_GIB", "STATE_GIB"),
         help="the uncapped no-offload peak allocated and the state (GiB) measured by an earlier call: caps are "
-        "set from these, so the capped runs can go to a device call of their own",
+        "set from these, so the capped runs can go to a job of their own",
     )
     parser.add_argument(
         "--profile",
