@@ -1,8 +1,8 @@
 """A megatron-core bf16 GPT training setup for the benchmarks that build one in their own process
 (``offload_bandwidth.py``, ``sleep_wake.py``): local layer spec, torch LayerNorm, torch AdamW, DDP with
 the distributed optimizer, as Megatron-LM's get_model / setup_model_and_optimizer / train_step do,
-without TransformerEngine or apex. The GPU tests build theirs with it too (tests/gpu/harness.py adds what
-only tests need); it lives here so that a script a user runs never imports the test package.
+without TransformerEngine or apex. The same setup as the GPU tests' (tests/gpu/harness.py), kept here so
+that a script a user runs never imports the test package.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 import random
 import socket
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -128,7 +128,6 @@ class GPTTraining:
     config: TransformerConfig  # holds finalize_model_grads_func and grad_scale_func
     shape: GPTShape
     loss_scale: float | None = None
-    skip_next_step: bool = field(default=False, repr=False)  # tests: poison a gradient so the step is skipped
 
     def train_step(self, iteration: int, read_loss: bool = True) -> tuple[float, bool]:
         """One iteration as in Megatron-LM's train_step; returns (mean loss, update_successful).
@@ -149,9 +148,6 @@ class GPTTraining:
             micro_batch_size=shape.micro_batch_size,
             forward_only=False,
         )
-        if self.skip_next_step:
-            self.skip_next_step = False
-            _poison_one_main_grad(self.model)
         update_successful, _grad_norm, _num_zeros = self.optimizer.step()
         totals = torch.stack([d["lm loss"] for d in losses]).sum(dim=0)
         torch.distributed.all_reduce(totals, group=parallel_state.get_data_parallel_group())
@@ -168,7 +164,6 @@ def build_gpt_training(
     loss_scale: float | None = None,
     bucket_size: int | None = None,
     optimizer_overrides: dict[str, Any] | None = None,
-    recompute: bool = False,
 ) -> GPTTraining:
     """Build a bf16 GPTModel (local spec) in DDP with the distributed optimizer, as Megatron-LM does.
 
@@ -199,12 +194,6 @@ def build_gpt_training(
         attention_dropout=0.0,
         masked_softmax_fusion=False,  # fused softmax kernels come from apex
         gradient_accumulation_fusion=False,  # needs apex's fused_weight_gradient_mlp_cuda
-        # ``recompute``: full activation recompute, one layer at a time (what weight streaming needs)
-        **(
-            {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
-            if recompute
-            else {}
-        ),
     )
     gpt = GPTModel(
         config=config,
@@ -250,9 +239,3 @@ def state_bytes(training: GPTTraining) -> int:
     optimizers = getattr(training.optimizer, "chained_optimizers", [training.optimizer])
     inner = [optimizer.optimizer for optimizer in optimizers]
     return 12 * sum(param.numel() for opt in inner for group in opt.param_groups for param in group["params"])
-
-
-def _poison_one_main_grad(model: list[DistributedDataParallel]) -> None:
-    """Write inf into one parameter's main_grad (the fp32 grad buffer the optimizer reads)."""
-    param = next(p for p in model[0].parameters() if p.requires_grad)
-    param.main_grad.fill_(float("inf"))
