@@ -25,15 +25,6 @@ PARAMETERS = 955_000_000  # configs/gpt_0p9b.yaml: 12 bytes each, 10.67 GiB of s
 STATE_GIB = 12 * PARAMETERS / GIB
 
 
-@pytest.fixture
-def upstream(tmp_path: Path) -> Path:
-    """A stand-in for the copy of Megatron-LM's dev branch: the script the harness looks for."""
-    folder = tmp_path / "megatron-lm-dev"
-    (folder / "megatron" / "core" / "datasets").mkdir(parents=True)
-    (folder / "pretrain_gpt.py").write_text("")
-    return folder
-
-
 def test_caps_are_the_no_offload_peak_reserved_less_a_share_of_the_state() -> None:
     plans = curve.cap_plan(26.41, 10.0, [0, 25, 90])
     assert [p["cap_GiB"] for p in plans] == pytest.approx([26.41, 23.91, 17.41])

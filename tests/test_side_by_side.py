@@ -61,15 +61,6 @@ def run_main(monkeypatch: pytest.MonkeyPatch, argv: list[str], run) -> tuple[int
     return side.main(), calls
 
 
-@pytest.fixture
-def upstream(tmp_path: Path) -> Path:
-    """A stand-in for the copy of Megatron-LM's dev branch: the script the harness looks for."""
-    folder = tmp_path / "megatron-lm-dev"
-    (folder / "megatron" / "core" / "datasets").mkdir(parents=True)
-    (folder / "pretrain_gpt.py").write_text("")
-    return folder
-
-
 @pytest.mark.parametrize(
     ("failing", "status"),
     [

@@ -15,24 +15,7 @@ import torch
 
 from megatron_offload.core.copies import IN_FLIGHT, Copy, CopyError, CopyQueue
 from megatron_offload.core.streams import OFFLOAD, PREFETCH, HostStreams
-
-
-class Gate:
-    """An event that completes when opened (or fails when told to)."""
-
-    def __init__(self) -> None:
-        self.open = False
-        self.error: str | None = None
-
-    def query(self) -> bool:
-        if self.error:
-            raise RuntimeError(self.error)
-        return self.open
-
-    def synchronize(self) -> None:
-        if self.error:
-            raise RuntimeError(self.error)
-        self.open = True  # a host wait: the device gets there
+from tests.gates import Gate
 
 
 class GatedStreams(HostStreams):

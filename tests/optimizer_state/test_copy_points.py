@@ -17,22 +17,7 @@ import torch
 from megatron_offload import OffloadCopyError, OptimizerStateOffloader
 from megatron_offload.core.copies import IN_FLIGHT
 from megatron_offload.core.streams import HostStreams
-
-
-class Gate:
-    """An event that completes when opened (or fails when told to)."""
-
-    def __init__(self) -> None:
-        self.open = False
-        self.error: str | None = None
-
-    def query(self) -> bool:
-        if self.error:
-            raise RuntimeError(self.error)
-        return self.open
-
-    def synchronize(self) -> None:
-        self.open = True  # a host wait: the device gets there
+from tests.gates import Gate
 
 
 class ManualStreams(HostStreams):
