@@ -18,6 +18,8 @@ original:
   or without offloading, megatron-core's resume bugs are worked around (``fix_torch_adam_checkpoints``);
 - ``training.print_rank_last``: the per-iteration log line gains the offload figures (on the rank
   that prints it, Megatron's last rank; the figures are that rank's own).
+With ``--offload-weights``, weights_training.py replaces three more names of ``megatron.training.training``
+(``setup_model_and_optimizer``, ``get_megatron_optimizer`` before the wrapper above, ``report_memory``).
 ``--offload-gpu-memory-cap-gib`` caps the process's GPU memory right after argument validation,
 with or without ``--offload-optimizer-states``. Unless ``PYTORCH_CUDA_ALLOC_CONF`` is set, the caching
 allocator's expandable segments are turned on (said in the log; see gpu_memory.py for why).
@@ -56,7 +58,7 @@ from megatron_offload.megatron.adam_resume import fix_torch_adam_checkpoints
 from megatron_offload.megatron.optimizer_adapter import OffloadHandle, attach_offloader
 from megatron_offload.megatron.report import MemoryReading, format_offload_fields
 from megatron_offload.megatron.sleep_hooks import install_rl_sleep_hooks
-from megatron_offload.megatron.weights_training import install_weight_hooks, weight_bytes_per_param, weight_log_fields
+from megatron_offload.megatron.weights_training import BYTES_PER_PARAM, install_weight_hooks, weight_log_fields
 
 __all__ = ["MissingMegatronTraining", "attached_handles", "install_training_hooks"]
 
@@ -110,12 +112,12 @@ def state_bytes_per_rank(args: argparse.Namespace) -> int | None:
 
 def host_bytes_per_rank(args: argparse.Namespace) -> int | None:
     """Host bytes this rank will pin: the optimizer state, or with --offload-weights everything of the
-    model (``weight_bytes_per_param`` per parameter)."""
+    model (``BYTES_PER_PARAM`` per parameter)."""
     state = state_bytes_per_rank(args)
     if state is None or not getattr(args, "offload_weights", False):
         return state
     per_param_state = 12 if getattr(args, "offload_master_weights", True) else 8
-    return state // per_param_state * weight_bytes_per_param()
+    return state // per_param_state * BYTES_PER_PARAM
 
 
 def _refuse_bad_flags(check: Callable[[argparse.Namespace], None], args: argparse.Namespace) -> None:

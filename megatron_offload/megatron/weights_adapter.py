@@ -28,6 +28,7 @@ import torch
 
 from megatron_offload.core.streams import streams_for
 from megatron_offload.weights.plan import Placed, Run, Unit, runs_of
+from megatron_offload.weights.stats import WeightStats
 from megatron_offload.weights.streamer import WeightStreamer
 
 __all__ = ["WeightHandle", "attach_weight_streamer", "move_buffers_to_gpu"]
@@ -93,7 +94,7 @@ class WeightHandle:
     hooks: list[Any] = field(default_factory=list)
     wrapped: list[tuple[Any, str]] = field(default_factory=list)
 
-    def read_stats(self):  # noqa: ANN201 - WeightStats
+    def read_stats(self) -> WeightStats:
         return self.streamer.stats.snapshot()
 
     def detach(self) -> None:

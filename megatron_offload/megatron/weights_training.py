@@ -32,7 +32,7 @@ from megatron_offload.core.units import GIB
 from megatron_offload.megatron.weights_adapter import WeightHandle, attach_weight_streamer, move_buffers_to_gpu
 from megatron_offload.weights.stats import WeightStats
 
-__all__ = ["install_weight_hooks", "weight_bytes_per_param", "weight_handles", "weight_log_fields"]
+__all__ = ["BYTES_PER_PARAM", "install_weight_hooks", "weight_log_fields"]
 
 _pool: MappedPool | None = None
 _building: contextlib.ExitStack | None = None  # open while setup builds into host memory
@@ -43,14 +43,6 @@ _previous: dict[int, WeightStats] = {}
 # weights' first copy (freed into the pool when DDP builds its buffers, kept for reuse), fp32 masters,
 # and Adam's two fp32 moments in the optimizer-state offloader's pinned slab.
 BYTES_PER_PARAM = 2 + 4 + 2 + 4 + 8
-
-
-def weight_bytes_per_param() -> int:
-    return BYTES_PER_PARAM
-
-
-def weight_handles() -> list[WeightHandle]:
-    return list(_handles)
 
 
 def _say(message: str) -> None:

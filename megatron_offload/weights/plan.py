@@ -12,7 +12,7 @@ use", which is all the prefetch and the choice of slot need.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -54,9 +54,8 @@ class Unit:
     grads_in: object | None = None  # the Slot holding its gradients during its backward
     lent: bool = False  # its params point at GPU memory now
     grads_on_host: bool = False  # the host gradients hold earlier micro-batches of this step
-    backward_seen: bool = False  # resident: gradients were accumulated on the GPU this step
-    weights_dtype: torch.dtype = field(default=torch.bfloat16)
-    grads_dtype: torch.dtype = field(default=torch.float32)
+    weights_dtype: torch.dtype = torch.bfloat16
+    grads_dtype: torch.dtype = torch.float32
 
     @property
     def numel(self) -> int:
