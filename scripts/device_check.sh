@@ -16,6 +16,8 @@
 #                         --profile) and benchmarks/trace_summary.py's verdict ($TRACE_ARGS narrows it)
 #            integration  scripts/integration.py entries for $GPUS GPUs
 #            sweep        (not in the default) the memory-speed curve under caps ($SWEEP_ARGS)
+#            long         (not in the default) benchmarks/long_context.py: the SDPA spec, --chunked-loss and
+#                         --offload-layer-inputs in Megatron-LM's loop ($LONG_ARGS: its arguments)
 #            weights      (not in the default) benchmarks/weight_streaming.py: configs/gpt_1b.yaml at micro-batch 8
 #                         beside no offload, log intervals 1 and 5 (~7 min), and configs/gpt_4b.yaml under a
 #                         20 GiB cap (~4 min): run as two calls, WEIGHTS_PART=speed or fit
@@ -93,6 +95,13 @@ if wants weights; then  # not in the default PARTS: ~7 min (speed) or ~4 min (fi
   echo "=== weight streaming (${WEIGHTS_PART:-speed})"
   python3 benchmarks/weight_streaming.py --megatron-lm "${MEGATRON_LM:-.megatron-lm}" "${weights_args[@]}" \
     --out "$results/weights" 2>&1 | tee "$results/weights.log" | grep -vE "Warning|warn" | tail -n 12
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if wants long; then  # not in the default PARTS: long context in Megatron-LM's loop; $LONG_ARGS picks the rows
+  echo "=== long context (${LONG_ARGS:-the 4.18B GPT at 65,536 tokens under a 24 GiB cap})"
+  eval "python3 benchmarks/long_context.py --megatron-lm \"${MEGATRON_LM:-.megatron-lm}\" \
+    ${LONG_ARGS:---config configs/gpt_4b.yaml --seq 65536 --cap 24} --out \"$results/long\"" 2>&1 \
+    | tee "$results/long.log" | grep -vE "Warning|warn" | tail -n 12
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if wants integration; then

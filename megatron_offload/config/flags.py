@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 
+from megatron_offload.config.long_context_flags import add_long_context_args, check_long_context_flags
 from megatron_offload.config.options import AUTO, OffloadConfig, PrefetchPolicy
 from megatron_offload.config.weight_flags import add_weight_args, check_weight_flags
 
@@ -152,6 +153,7 @@ def add_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         help="Check at start that host memory can hold every rank's offloaded state (default on).",
     )
     add_weight_args(group)
+    add_long_context_args(group)
     return parser
 
 
@@ -170,6 +172,7 @@ def check_offload_combinations(args: argparse.Namespace) -> None:
         )
     config_from_args(args)  # every offload value in range, with the messages the Python API gives
     check_weight_flags(args, offload_requested(args))
+    check_long_context_flags(args)
     if not offload_requested(args):
         return
     if getattr(args, "chunked_optimizer_state_offload", False) and getattr(

@@ -40,6 +40,8 @@ class Streams(Protocol):
 
     def block(self, nbytes: int) -> torch.Tensor: ...
 
+    def keep_until_copied(self, tensor: torch.Tensor, direction: str) -> None: ...
+
 
 class CudaStreams:
     """A side stream per direction: copies out and back use both copy engines, never behind training's
@@ -85,6 +87,11 @@ class CudaStreams:
         with torch.cuda.stream(self.compute):
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
+    def keep_until_copied(self, tensor: torch.Tensor, direction: str) -> None:
+        """``tensor`` (compute-stream memory) may be dropped now: the allocator hands its memory out again
+        only once the copies queued so far on the direction's stream, which read it, are done."""
+        tensor.record_stream(self.side[direction])  # the allocator checks this event itself: no host wait
+
 
 class Done:
     """An event that has completed, at a time on the host's clock (the CPU's copies are synchronous)."""
@@ -124,6 +131,9 @@ class HostStreams:
 
     def block(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
+
+    def keep_until_copied(self, tensor: torch.Tensor, direction: str) -> None:
+        return None  # the CPU's copies are done when queued
 
 
 def streams_for(device: torch.device | None) -> Streams:

@@ -52,9 +52,13 @@ from megatron_offload.config.flags import (
     upstream_defines_the_flag,
     validate_offload_args,
 )
+from megatron_offload.config.long_context_flags import layer_input_bytes_per_rank
 from megatron_offload.core.gpu_memory import apply_memory_cap, gpu_only, use_expandable_segments_by_default
 from megatron_offload.core.host_memory import HostMemoryError, check_host_room
 from megatron_offload.megatron.adam_resume import fix_torch_adam_checkpoints
+from megatron_offload.megatron.long_context_adapter import LongContextHandle
+from megatron_offload.megatron.long_context_training import attach_long_context, layer_input_log_fields
+from megatron_offload.megatron.long_context_training import describe as describe_long_context
 from megatron_offload.megatron.optimizer_adapter import OffloadHandle, attach_offloader
 from megatron_offload.megatron.report import MemoryReading, format_offload_fields
 from megatron_offload.megatron.sleep_hooks import install_rl_sleep_hooks
@@ -63,6 +67,7 @@ from megatron_offload.megatron.weights_training import BYTES_PER_PARAM, install_
 __all__ = ["MissingMegatronTraining", "attached_handles", "install_training_hooks"]
 
 _handles: list[OffloadHandle] = []
+_long_context: list[LongContextHandle] = []
 _installed = False
 
 
@@ -118,6 +123,11 @@ def host_bytes_per_rank(args: argparse.Namespace) -> int | None:
         return state
     per_param_state = 12 if getattr(args, "offload_master_weights", True) else 8
     return state // per_param_state * BYTES_PER_PARAM
+
+
+def wants_host_memory(args: argparse.Namespace) -> bool:
+    """Whether this run pins host memory of ours: offloaded state, streamed weights or layer inputs."""
+    return offload_requested(args) or bool(getattr(args, "offload_layer_inputs", False))
 
 
 def _refuse_bad_flags(check: Callable[[argparse.Namespace], None], args: argparse.Namespace) -> None:
@@ -201,8 +211,8 @@ def install_training_hooks() -> None:
         if ignored:
             verb = "has" if len(ignored) == 1 else "have"
             _print_once(f"megatron-offload: {', '.join(ignored)} {verb} no effect without --offload-optimizer-states")
-        if offload_requested(args) and getattr(args, "offload_host_memory_check", True):
-            needed = host_bytes_per_rank(args)
+        if wants_host_memory(args) and getattr(args, "offload_host_memory_check", True):
+            needed = (host_bytes_per_rank(args) or 0) + layer_input_bytes_per_rank(args)
             if needed:  # before the model is built: a node that cannot hold the state stops here, in one line
                 try:
                     check_host_room(needed)
@@ -221,6 +231,10 @@ def install_training_hooks() -> None:
 
     def get_megatron_optimizer_and_attach(*args: Any, **kwargs: Any) -> Any:
         optimizer = get_megatron_optimizer(*args, **kwargs)
+        long_context = attach_long_context(args[1] if len(args) > 1 else kwargs["model_chunks"], global_vars.get_args())
+        if long_context is not None:
+            _long_context.append(long_context)
+            _print_once(describe_long_context(long_context))
         fix_note = fix_torch_adam_checkpoints(optimizer)  # with or without offloading
         if fix_note:
             _print_once(fix_note)
@@ -248,6 +262,12 @@ def install_training_hooks() -> None:
                 message += format_offload_fields(current, before, memory)
                 message += weight_log_fields(current.offloads - before.offloads)
                 previous_stats[id(handle)] = dataclasses.replace(current)
+        if _long_context and isinstance(message, str) and " iteration " in message and "consumed samples" in message:
+            steps = int(getattr(global_vars.get_args(), "log_interval", 1) or 1)
+            for handle in _long_context:
+                before = previous_stats.get(id(handle))
+                fields, previous_stats[id(handle)] = layer_input_log_fields(handle, before, steps)
+                message += fields
         print_rank_last(message)
 
     allocator_note = use_expandable_segments_by_default()

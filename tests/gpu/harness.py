@@ -175,6 +175,7 @@ def build_gpt_training(
     bucket_size: int | None = None,
     optimizer_overrides: dict[str, Any] | None = None,
     recompute: bool = False,
+    layer_spec: Any = None,
 ) -> GPTTraining:
     """Build a bf16 GPTModel (local spec) in DDP with the distributed optimizer, as Megatron-LM does.
 
@@ -182,7 +183,8 @@ def build_gpt_training(
     CUDA) and megatron's CUDA RNG tracker are reseeded first. Dropout is 0, so training draws no
     random numbers and two setups can be stepped interleaved. ``bucket_size`` (params per bucket)
     only matters with overlap_grad_reduce; 500_000 gives the default model 4 buckets. ``loss_scale``
-    (use 1.0) adds megatron's constant grad scaler, which ``force_skipped_step`` needs.
+    (use 1.0) adds megatron's constant grad scaler, which ``force_skipped_step`` needs. ``layer_spec``:
+    another layer spec than megatron-core's local one (the SDPA spec).
     """
     if overlap_param_gather and not overlap_grad_reduce:
         raise ValueError("overlap_param_gather needs overlap_grad_reduce (as in Megatron-LM)")
@@ -213,7 +215,7 @@ def build_gpt_training(
     )
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=layer_spec or get_gpt_layer_local_spec(),
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.seq_length,
     )

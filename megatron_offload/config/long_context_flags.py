@@ -1,0 +1,138 @@
+"""The long-context flags and the combinations they support, checked before anything is built.
+
+``--offload-layer-inputs`` moves the input full recompute keeps for each checkpointed layer to pinned
+host memory; ``--chunked-loss`` computes the output layer and cross entropy a chunk of tokens at a time.
+Attention is a layer spec (``--spec megatron_offload.megatron.sdpa_spec gpt_layer_spec``), checked here too
+where it is named. Everything else is refused in one line naming the flag and what to do.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+__all__ = [
+    "SDPA_SPEC",
+    "add_long_context_args",
+    "check_long_context_flags",
+    "layer_input_bytes_per_rank",
+    "uses_sdpa_spec",
+]
+
+LAYER_INPUTS = "--offload-layer-inputs"
+CHUNKED_LOSS = "--chunked-loss"
+SDPA_SPEC = ["megatron_offload.megatron.sdpa_spec", "gpt_layer_spec"]
+
+
+def add_long_context_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument(
+        LAYER_INPUTS,
+        action="store_true",
+        help="Under --recompute-granularity full, send each checkpointed layer's input to pinned host memory "
+        "after its forward and bring it back ahead of its recompute: saves layers x tokens x hidden x 2 bytes "
+        "per micro-batch of GPU memory. With or without --offload-weights.",
+    )
+    group.add_argument(
+        CHUNKED_LOSS,
+        action="store_true",
+        help="Compute the output layer and the cross entropy a chunk of tokens at a time, recomputing each "
+        "chunk's logits in backward: the [tokens, vocab] logits and their fp32 softmax never exist "
+        "(one chunk's do). Needs --tensor-model-parallel-size 1 and megatron-core 0.19 or later.",
+    )
+    group.add_argument(
+        "--chunked-loss-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Tokens per chunk of --chunked-loss (default: so that one chunk's fp32 logits take about 256 MiB).",
+    )
+
+
+def _on(args: argparse.Namespace, name: str) -> bool:
+    return bool(getattr(args, name, False))
+
+
+def _set(args: argparse.Namespace, name: str) -> bool:
+    return getattr(args, name, None) not in (None, False, "none", 0)
+
+
+def _over_one(args: argparse.Namespace, name: str) -> bool:
+    return (getattr(args, name, 1) or 1) > 1
+
+
+def _not_full(args: argparse.Namespace, name: str) -> bool:
+    return getattr(args, name, None) != "full"
+
+
+Check = tuple[str, Callable[[argparse.Namespace, str], bool], str]
+
+_LAYER_INPUTS: list[Check] = [
+    ("recompute_granularity", _not_full, "moves the inputs full recompute keeps: add --recompute-granularity full"),
+    ("distribute_saved_activations", _on, "cannot move inputs split across tensor-parallel ranks: drop it"),
+    ("fp8", _set, "does not support fp8 yet (its checkpoint is TransformerEngine's): drop it"),
+    ("fp4", _set, "does not support fp4 yet (its checkpoint is TransformerEngine's): drop it"),
+    ("cpu_offloading", _on, "and TransformerEngine's activation offloading cannot be combined: drop one"),
+    ("fine_grained_activation_offloading", _on, "and fine-grained activation offloading cannot be combined: drop one"),
+    ("enable_cuda_graph", _on, "cannot run under CUDA graphs (they bypass the layers' hooks): drop it"),
+    ("external_cuda_graph", _on, "cannot run under CUDA graphs (they bypass the layers' hooks): drop it"),
+]
+
+_CHUNKED_LOSS: list[Check] = [
+    ("tensor_model_parallel_size", _over_one, "needs the whole vocabulary on each rank: set it to 1"),
+    ("mtp_num_layers", _set, "does not compute multi-token-prediction losses: drop it"),
+    ("cross_entropy_loss_fusion", _on, "replaces the fused cross entropy: drop --cross-entropy-loss-fusion"),
+    ("fp16_lm_cross_entropy", _on, "computes the loss in fp32: drop --fp16-lm-cross-entropy"),
+    ("use_mup", _on, "does not apply MuP's output scaling: drop it"),
+]
+
+
+def uses_sdpa_spec(args: argparse.Namespace) -> bool:
+    return list(getattr(args, "spec", None) or []) == SDPA_SPEC
+
+
+_SDPA: list[Check] = [
+    ("context_parallel_size", _over_one, "runs without context parallelism: set it to 1"),
+    ("window_size", _set, "has no sliding window: drop it"),
+    ("softmax_type", lambda args, name: getattr(args, name, "vanilla") not in (None, "vanilla"), "use vanilla"),
+]
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _refuse(args: argparse.Namespace, subject: str, checks: list[Check]) -> None:
+    for name, unsupported, advice in checks:
+        # A name missing from ``args`` is a parser without Megatron's flags (the launcher's early check).
+        if hasattr(args, name) and unsupported(args, name):
+            raise ValueError(f"{subject} {advice} (got {_flag(name)} {getattr(args, name)})")
+
+
+def check_long_context_flags(args: argparse.Namespace) -> None:
+    """Raise ValueError, one line naming the flag and what to do, for a combination not supported."""
+    tokens = getattr(args, "chunked_loss_tokens", None)
+    if tokens is not None and tokens < 1:
+        raise ValueError(f"--chunked-loss-tokens must be a positive number of tokens, got {tokens}")
+    if tokens is not None and not _on(args, "chunked_loss"):
+        raise ValueError("--chunked-loss-tokens sets the chunks of --chunked-loss: add --chunked-loss or drop it")
+    if _on(args, "offload_layer_inputs"):
+        _refuse(args, LAYER_INPUTS, _LAYER_INPUTS)
+    if _on(args, "chunked_loss"):
+        _refuse(args, CHUNKED_LOSS, _CHUNKED_LOSS)
+    if uses_sdpa_spec(args):
+        _refuse(args, "the SDPA layer spec", _SDPA)
+
+
+def layer_input_bytes_per_rank(args: argparse.Namespace) -> int:
+    """Host bytes --offload-layer-inputs pins on a rank: one input per checkpointed chunk of layers, for
+    every micro-batch a pipeline keeps in flight (one without pipeline parallelism)."""
+    if not _on(args, "offload_layer_inputs"):
+        return 0
+    layers = getattr(args, "num_layers", 0) or 0
+    pipeline = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    per_chunk = getattr(args, "recompute_num_layers", 1) or 1
+    chunks = -(-(layers // pipeline) // per_chunk)
+    tokens = (getattr(args, "seq_length", 0) or 0) * (getattr(args, "micro_batch_size", 1) or 1)
+    tokens //= getattr(args, "tensor_model_parallel_size", 1) if _on(args, "sequence_parallel") else 1
+    width = 4 if not (_on(args, "bf16") or _on(args, "fp16")) else 2
+    return chunks * tokens * (getattr(args, "hidden_size", 0) or 0) * width * pipeline
