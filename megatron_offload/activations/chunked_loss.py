@@ -4,20 +4,20 @@
 weight.T)`` gives (per-token fp32 cross entropy, [b, s]) but walks the tokens in chunks, so only one chunk's
 logits exist at a time.
 
-Saves: the fp32 logits and their gradient, 8 x vocab bytes per token (17 GB at 64k tokens and a 32,000
-vocabulary, more with the logits in the input dtype) never exist whole; one chunk's do (about 256 MiB of fp32
-logits per buffer with ``default_chunk_tokens``). Kept for backward: the hidden states and weight (which
+Saves: the [tokens, vocab] fp32 logits and their gradient, 8 x vocab bytes per token (17 GB at 64k tokens and
+a 32,000 vocabulary; more counting the logits in the input dtype), never exist; one chunk's do (about 256 MiB of
+fp32 logits per buffer with ``default_chunk_tokens``). Kept for backward: the hidden states and weight (which
 autograd keeps for the output layer anyway), the labels, and one fp32 log-sum-exp per token (4 bytes).
 
 Costs: backward recomputes each chunk's logits, one extra [tokens, h] x [h, vocab] GEMM, a third more than
 the output layer's usual three GEMMs; and a python loop of tokens / chunk_tokens steps.
 
-Why not liger-kernel's fused linear cross entropy: for mean and sum it computes the gradients during the
-forward and keeps grad_hidden [tokens, h] and a weight-sized grad_weight (fp32 when ``accum_dtype`` asks for
-it) alive from forward to backward, which with pipeline parallelism means across other micro-batches' work;
-megatron-core needs the per-token loss (``reduction='none'``), for which recent liger (checked at commit
-00eba63) recomputes in backward as here; and it needs liger's Triton kernels. This file is torch only, runs
-on a CPU, and is deterministic: two calls give the same bits.
+Why not liger-kernel's fused linear cross entropy: with mean or sum reduction it computes the gradients in
+the forward and keeps grad_hidden [tokens, h] and a weight-sized grad_weight (fp32 when ``accum_dtype`` asks)
+alive until the backward, a pair per micro-batch in flight under pipeline parallelism. Megatron-core wants the
+per-token loss (``reduction='none'``, masked afterwards): older liger scales the already summed grad_weight by
+it, which is wrong, and recent liger (checked at commit 00eba63) recomputes in backward as here. And it needs
+liger's Triton kernels; this file is torch only, runs on a CPU, and gives the same bits on every call.
 
 NOTE: the whole vocabulary on one rank (no tensor-parallel vocab split), no label smoothing, no ignore index
 (megatron-core masks the per-token loss afterwards); labels are not range-checked (that needs a host sync).

@@ -71,6 +71,23 @@ def test_bf16_is_close_to_the_fp32_reference() -> None:
         assert ((g.float() - w).norm() / w.norm()).item() < 2e-2
 
 
+def test_bf16_weight_gradient_accumulates_in_fp32_across_chunks() -> None:
+    # 256 chunks of same-sign contributions to grad_weight: a bf16 running sum loses each increment's bits below
+    # 2**-8 of the sum (measured: 8.5% off). With the fp32 accumulator what remains is the bf16 rounding of the
+    # logits, of softmax - onehot, of each chunk's product and of the result, 2**-9 relative each: under 1% even
+    # if all four lined up (measured: 0.1%).
+    gen = torch.Generator().manual_seed(2)
+    s, b, h, v = 256, 2, 4, 8
+    hidden = (1 + 0.1 * torch.rand(s, b, h, generator=gen)).bfloat16()
+    weight = (0.1 * torch.randn(v, h, generator=gen)).bfloat16().requires_grad_()
+    labels, upstream = torch.zeros(b, s, dtype=torch.long), torch.full((b, s), 1 / (b * s))
+    (chunked_linear_cross_entropy(hidden, weight, labels, chunk_tokens=2) * upstream).sum().backward()
+    ref_weight = weight.detach().float().requires_grad_()
+    logits = hidden.float().reshape(-1, h) @ ref_weight.t()
+    (F.cross_entropy(logits, labels.t().reshape(-1), reduction="none") / (b * s)).sum().backward()
+    assert ((weight.grad.float() - ref_weight.grad).norm() / ref_weight.grad.norm()).item() < 1e-2
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_two_calls_give_identical_bits(dtype: torch.dtype) -> None:
     hidden, weight, labels, upstream = _inputs(b=2, dtype=dtype)
