@@ -39,7 +39,7 @@ BASE = [*SDPA, "--chunked-loss"]
 def sequence(seq: int) -> list[str]:
     return [
         "--seq-length", str(seq), "--max-position-embeddings", str(seq), "--position-embedding-type", "rope",
-        "--micro-batch-size", "1", "--no-rope-fusion",
+        "--micro-batch-size", "1", "--no-rope-fusion", "--no-create-attention-mask-in-dataloader",
     ]  # fmt: skip
 
 

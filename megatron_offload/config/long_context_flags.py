@@ -94,6 +94,12 @@ _SDPA: list[Check] = [
     ("context_parallel_size", _over_one, "runs without context parallelism: set it to 1"),
     ("window_size", _set, "has no sliding window: drop it"),
     ("softmax_type", lambda args, name: getattr(args, name, "vanilla") not in (None, "vanilla"), "use vanilla"),
+    (
+        "create_attention_mask_in_dataloader",
+        _on,
+        "attends causally and reads no mask, which takes seq-length squared bytes per sample in host and GPU "
+        "memory: add --no-create-attention-mask-in-dataloader",
+    ),
 ]
 
 
