@@ -137,7 +137,10 @@ def layer_input_bytes_per_rank(args: argparse.Namespace) -> int:
     layers = getattr(args, "num_layers", 0) or 0
     pipeline = getattr(args, "pipeline_model_parallel_size", 1) or 1
     per_chunk = getattr(args, "recompute_num_layers", 1) or 1
-    chunks = -(-(layers // pipeline) // per_chunk)
+    per_stage = layers // pipeline
+    # uniform: every chunk of ``per_chunk`` layers is checkpointed; block: the first ``per_chunk`` layers, one each
+    block = getattr(args, "recompute_method", "uniform") == "block"
+    chunks = min(per_chunk, per_stage) if block else -(-per_stage // per_chunk)
     tokens = (getattr(args, "seq_length", 0) or 0) * (getattr(args, "micro_batch_size", 1) or 1)
     tokens //= getattr(args, "tensor_model_parallel_size", 1) if _on(args, "sequence_parallel") else 1
     width = 4 if not (_on(args, "bf16") or _on(args, "fp16")) else 2
