@@ -31,9 +31,9 @@ DEFAULT_CHUNK_BYTES = 64 * MIB
 class OptimizerStateOffloader(PlannedState, ChunkCopies):
     """Keeps an optimizer's tensor state (and given master weights) in host memory between steps.
 
-    Lifecycle per iteration: ``offload(now=False)`` queues the state out after the step; ``pump()`` at
-    the training loop's points moves it; ``prefetch(max_bytes)`` queues it back as memory allows;
-    ``streamed_step.run`` steps chunk by chunk, streaming whatever is not back yet.
+    Lifecycle per iteration: ``offload(now=False)`` queues the state out after the step;
+    ``copies.pump()`` at the training loop's points moves it; ``prefetch(max_bytes)`` queues it back as
+    memory allows; ``streamed_step.run`` steps chunk by chunk, streaming whatever is not back yet.
 
     NOTE: tensor objects are never replaced, only what they hold; a host copy is whole once its copy
     has landed (``copies.drain()`` before reading it on the CPU).
