@@ -102,8 +102,14 @@ def test_the_sweep_writes_every_figure(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert tight["rows"]["no offload"]["outcome"] == "did not fit" and "derived" in tight["rows"]["no offload"]
     assert result["caps"][0]["rows"]["no offload"]["x_no_offload"] == 1.0  # cap 0%: its own uncapped run
     assert tight["rows"]["upstream chunked offload"]["x_no_offload"] == pytest.approx(800 / 600)
-    assert result["plot"] == "curve.png" and (tmp_path / "curve.png").stat().st_size > 1000
     assert "cap 90%" in (tmp_path / "curve.txt").read_text()
+
+
+def test_the_sweep_plots_its_curve(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the plot needs matplotlib (the test and nightly extras install it)")
+    code, _ = run_sweep(monkeypatch, ["--out", str(tmp_path), "--caps", "90", "50"], sweep_run())
+    assert code == 0 and json.loads((tmp_path / "curve.json").read_text())["plot"] == "curve.png"
+    assert (tmp_path / "curve.png").stat().st_size > 1000
 
 
 def test_a_capped_no_offload_run_that_fails_is_did_not_fit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
