@@ -40,7 +40,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from megatron_offload.config.files import NO_CUDA, add_switch_inverses, missing_training_message
+from megatron_offload.config.files import NO_CUDA, add_switch_inverses, missing_training_message, parse_error
 from megatron_offload.config.flags import (
     UPSTREAM_FLAG,
     add_offload_args,
@@ -132,6 +132,9 @@ def _one_line_errors(parser: argparse.ArgumentParser) -> None:
     """A parse error as argparse's last line only: Megatron's usage text runs to hundreds of lines."""
 
     def error(message: str) -> NoReturn:
+        from_file = parse_error(message)  # a value a --config file gave: the file and key, what to give
+        if from_file:
+            _stop(f"megatron-offload: {from_file}")
         _stop(f"{parser.prog}: error: {message} (--help lists the flags)")
 
     parser.error = error  # type: ignore[method-assign]

@@ -155,7 +155,7 @@ def test_the_launcher_names_a_bad_config_in_one_line(capsys: pytest.CaptureFixtu
     (tmp_path / "bad.yaml").write_text("lr: [1\n")
     assert run.main([str(script), "--config", str(tmp_path / "bad.yaml")]) == 2
     (line,) = capsys.readouterr().err.splitlines()
-    assert line.startswith(f"megatron_offload.run: --config {tmp_path / 'bad.yaml'}: not valid YAML at line 2")
+    assert line.startswith(f"megatron-offload: --config {tmp_path / 'bad.yaml'}: not valid YAML at line 2")
 
 
 def test_the_launcher_help_lists_the_offload_flags(capsys: pytest.CaptureFixture[str]) -> None:
@@ -201,3 +201,52 @@ def test_the_state_on_a_rank_is_counted_from_megatrons_own_estimate(monkeypatch:
     args.offload_master_weights = False
     assert megatron_training.state_bytes_per_rank(args) == 4 * 10**9
     assert megatron_training.state_bytes_per_rank(argparse.Namespace()) is None  # cannot count: no check here
+
+
+@pytest.mark.parametrize(
+    ("yaml_line", "problem"),
+    [
+        ("use-distributed-optimizer: 3", "--use-distributed-optimizer is an on/off switch: give true or false, not 3"),
+        ("offload-chunk-mb: big", "expected a number of MiB, such as 64 (the default), got 'big'"),
+        ("offload-chunk-mb: true", "needs a value; true and false are for on/off switches"),
+    ],
+)
+def test_a_bad_value_in_a_config_file_names_the_file_and_the_key(
+    megatron: types.ModuleType,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    yaml_line: str,
+    problem: str,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    config = tmp_path / "run.yaml"
+    config.write_text(f"lr: 1.0e-4\n{yaml_line}\n")
+    key = yaml_line.split(":")[0]
+    # In Megatron's own parser (our script, or the launcher's run of a script) ...
+    with pytest.raises(SystemExit):
+        parse_and_validate(megatron, monkeypatch, *expand_config_argv(["--config", str(config)]))
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == f"megatron-offload: --config {config}, key {key}: {problem}"
+    # ... and in the launcher's check, before any script runs.
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('the script must not run')\n")
+    assert run.main([str(script), "--config", str(config)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == f"megatron-offload: --config {config}, key {key}: {problem}"
+
+
+def test_the_same_flag_on_the_command_line_is_named_as_argparse_names_it(
+    megatron: types.ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    config = tmp_path / "run.yaml"
+    config.write_text("offload-chunk-mb: 32\n")
+    with pytest.raises(SystemExit):
+        argv = expand_config_argv(["--config", str(config), "--offload-gpu-memory-cap-gib", "abc"])
+        parse_and_validate(megatron, monkeypatch, *argv)
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (
+        "pretrain_gpt.py: error: argument --offload-gpu-memory-cap-gib: expected a number of GiB, the GPU memory "
+        "to imitate, such as 20, got 'abc' (--help lists the flags)"
+    )
