@@ -47,7 +47,7 @@ from megatron_offload.core.units import cap_below_peak  # noqa: E402
 
 TINY = ["scripts/pretrain_gpt.py", "--config", "configs/tiny.yaml", "--log-memory-interval", "20"]
 OFFLOAD = ["--offload-optimizer-states"]
-# The larger shapes run 6 iterations instead of their config's 20, to fit the device time.
+# The larger shapes run 6 iterations instead of their config's 20, to keep the integration runs short.
 SHORT = ["--train-iters", "6", "--log-memory-interval", "6"]
 GPT_1B = ["scripts/pretrain_gpt.py", "--config", "configs/gpt_1b.yaml", *SHORT]
 GPT_TP2 = ["scripts/pretrain_gpt.py", "--config", "configs/gpt_tp2.yaml", *SHORT]

@@ -1,6 +1,6 @@
 """The crash drill's bounds, on the CPU with real subprocesses (no GPU, no Megatron): a run that hangs,
 a launcher whose child ignores SIGTERM in a session of its own, an orphan that outlives a killed run
-(what hung issue 23's first GPU try), and whole crash entries run with a stand-in for
+(what once hung a GPU drill), and whole crash entries run with a stand-in for
 tests/gpu/crash_driver.py that prints Megatron's lines and writes torch_dist-like saves. Each ends with
 a verdict within its bound; nothing of the bound logic is mocked.
 """
@@ -110,7 +110,7 @@ def test_a_launcher_whose_child_ignores_sigterm_in_its_own_session_is_killed_who
 
 @needs_loopback
 def test_an_orphan_holding_the_output_pipe_would_hang_a_drill_that_reads_to_its_end(tmp_path: Path) -> None:
-    """The cause of issue 23's hang: torchrun has exited, its output pipe never ends."""
+    """Why a drill that reads a run's output to its end hangs: torchrun has exited, its output pipe never ends."""
     script = tmp_path / "worker.py"
     script.write_text(KILLED_WORKER)
     token = "pipe-test"

@@ -66,7 +66,7 @@ def run_main(monkeypatch: pytest.MonkeyPatch, argv: list[str], run) -> tuple[int
     [
         (set(), 1),  # the capped no-offload runs ran although the cap should have stopped them
         ({"log1-cap-90-no-offload", "log1-cap-50-no-offload"}, 0),  # as meant: only those fail
-        ({"log1-no-offload", "log1-full-offload-auto"}, 1),  # every run failed: issue 16's case
+        ({"log1-no-offload", "log1-full-offload-auto"}, 1),  # every run failed
         ({"log1-cap-90-no-offload", "log1-cap-50-no-offload", "log1-cap-90-step"}, 1),
     ],
 )

@@ -1,6 +1,6 @@
 """benchmarks/trace_summary.py on synthetic chrome traces whose figures are known: the compute stream's
 busy time per profiled iteration, its busy share in the windows where copies run against no offload's in
-the same windows, and issue 20's verdict (passing and failing cases)."""
+the same windows, and the overlap verdict (passing and failing cases)."""
 
 from __future__ import annotations
 
