@@ -17,10 +17,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # scripts, not a package
-
-import crash_entries  # noqa: E402
-import drill_runs  # noqa: E402
+from tests.drills import crash_entries, drill_runs
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="the drill reads processes from /proc")
 
@@ -359,12 +356,12 @@ def test_the_drill_kills_its_run_when_it_is_interrupted_itself(tmp_path: Path) -
 
 DRILL = """
 import sys
-sys.path.insert(0, sys.argv[1])
-import drill_runs
 from pathlib import Path
 
+from tests.drills import drill_runs
+
 drill_runs.exit_on_sigterm()
-drill_runs.run_bounded([sys.executable, "-c", sys.argv[3]], Path(sys.argv[2]), bound_s=120)
+drill_runs.run_bounded([sys.executable, "-c", sys.argv[2]], Path(sys.argv[1]), bound_s=120)
 """
 
 
@@ -372,8 +369,8 @@ def test_a_drill_ended_with_sigterm_takes_its_run_with_it(tmp_path: Path) -> Non
     """``timeout`` or a scheduler ends the drill with SIGTERM: the run under way (in a session of its own,
     which no signal to the drill's group reaches) is killed on the way out."""
     log = tmp_path / "run.log"
-    scripts = str(Path(drill_runs.__file__).parent)
-    drill = subprocess.Popen([sys.executable, "-c", DRILL, scripts, str(log), SLEEPER])
+    root = Path(__file__).resolve().parents[1]  # python -c puts the working directory on sys.path
+    drill = subprocess.Popen([sys.executable, "-c", DRILL, str(log), SLEEPER], cwd=root)
     deadline = time.monotonic() + 30
     while not (log.exists() and pids(log.read_text())) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -9,12 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import megatron_side_by_side as side
 from tests.chrome_traces import busy_kernels, memcpy, step, write
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import megatron_side_by_side as side  # noqa: E402
 
 UPSTREAM_ROWS = [name for name, _ in side.UPSTREAM]
 
@@ -214,7 +212,7 @@ def test_prepare_upstream_borrows_the_installed_helpers_only_for_the_same_source
 def test_the_summary_table_gives_each_trace_verdict(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path, upstream: Path
 ) -> None:
-    import summarize
+    from benchmarks import summarize
 
     args = ["--upstream-megatron-lm", str(upstream), "--out", str(tmp_path / "trace"), "--log-intervals", "1",
             "--profile", "no offload", "upstream chunked offload", "--profile-only"]  # fmt: skip

@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks import trace_summary as ts
 from tests.chrome_traces import COMPUTE, busy_kernels, kernel, memcpy, step, write
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import trace_summary as ts  # noqa: E402
 
 
 def base_events(share: float = 0.8) -> list[dict]:

@@ -1,7 +1,7 @@
 """Host-memory drills on a GPU machine (the CPU suite runs their library side in tests/test_host_memory.py):
 
-    python tests/gpu/host_memory_drill.py --out results/host-memory     # exit 0 when every case passed
-    python tests/gpu/host_memory_drill.py --out DIR --only short-at-start   # one drill (or named cases)
+    python -m tests.gpu.host_memory_drill --out results/host-memory     # exit 0 when every case passed
+    python -m tests.gpu.host_memory_drill --out DIR --only short-at-start   # one drill (or named cases)
 
 The drills (host_memory_verdicts.DRILLS): ``short-at-start`` (cases 3, 5), ``short-while-pinning`` (1, 2,
 4), ``short-during-save`` (6). ``DIR/host-memory.json`` holds each case (whether it passed, its failures,
@@ -21,7 +21,7 @@ Through the library API, in one child (``--api``; tests/gpu/harness.py's bf16 GP
    space capped at what it holds, RLIMIT_AS, around ``attach_offloader`` only): a HostMemoryError, and
    nothing half set up: no wrapper, hook or attribute left on the optimizer and model, the fp32 masters
    untouched, a second attach works, and training then matches training without offloading bitwise.
-In Megatron-LM's loop (scripts/pretrain_gpt.py, configs/tiny.yaml; each case this file again under torchrun
+In Megatron-LM's loop (scripts/pretrain_gpt.py, configs/tiny.yaml; each case this module again under torchrun
 with ``--megatron CASE``, which makes the change on module attributes, never in library code):
 4. ``pin-refused-megatron``: the same refusal; the run completes, its log carries the warning.
 5. ``node-too-small``: the real MemAvailable, as if 4096 ranks shared this node: refused before the model
@@ -53,6 +53,7 @@ import json
 import os
 import re
 import resource
+import runpy
 import shutil
 import sys
 import tempfile
@@ -63,15 +64,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from benchmarks.memory_report import last_error_line
+from tests.drills import drill_checkpoints, drill_runs
+from tests.drills.crash_verdict import Verdict, judge, logged_differences
+from tests.gpu.host_memory_verdicts import API_CASES, add_verdicts, lines, one_line, select
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
-
-import drill_checkpoints  # noqa: E402  (scripts/: the checkpoint readers)
-import drill_runs  # noqa: E402  (scripts/: the bounded runner)
-from crash_verdict import Verdict, judge, logged_differences  # noqa: E402
-from memory_report import last_error_line  # noqa: E402
-
-from tests.gpu.host_memory_verdicts import API_CASES, add_verdicts, lines, one_line, select  # noqa: E402
 
 TINY = ["--config", "configs/tiny.yaml", "--offload-optimizer-states"]
 RANKS = 4096  # node-too-small: the real MemAvailable, shared as if by this many ranks
@@ -374,9 +372,7 @@ def run_in_megatron(name: str) -> None:
         host_memory.ranks_on_this_node = lambda: RANKS  # the real MemAvailable, shared as if by RANKS ranks
     elif name.startswith("host-short-during-save"):  # with offloading, and its control without
         refuse_host_memory_at_save(SHORT_AT // SAVE_INTERVAL)
-    import pretrain_gpt  # expands --config in sys.argv
-
-    pretrain_gpt.main()
+    runpy.run_path(str(ROOT / "scripts" / "pretrain_gpt.py"))["main"]()  # as users run it: --config expanded
 
 
 def megatron_run(
@@ -384,7 +380,7 @@ def megatron_run(
 ) -> tuple[drill_runs.Outcome, list[str]]:
     """One bounded torchrun of this file with ``--megatron NAME``: how it ended, and a failure if stopped."""
     tiny = TINY if offload else [arg for arg in TINY if arg != "--offload-optimizer-states"]
-    command = [*drill_runs.torchrun(1), "tests/gpu/host_memory_drill.py", "--megatron", name, *tiny, *args]
+    command = [*drill_runs.torchrun(1), "-m", "tests.gpu.host_memory_drill", "--megatron", name, *tiny, *args]
     outcome = drill_runs.run_bounded(command, out / f"host-memory-{name}.log", bound_s=RUN_BOUND_S, cwd=ROOT)
     print(f"[{name}] {'stopped: ' + outcome.stopped if outcome.stopped else f'exit {outcome.returncode}'}", flush=True)
     return outcome, [drill_runs.verdict(name, outcome)] if outcome.stopped else []
@@ -566,7 +562,7 @@ def run_api_cases(out: Path, cases: list[str]) -> dict[str, Any]:
     """The API cases in one bounded child: its report, or one failing case per case asked for."""
     api_json = out / "host-memory-api.json"
     api_json.unlink(missing_ok=True)
-    command = [sys.executable, "tests/gpu/host_memory_drill.py", "--api", str(api_json.resolve()), *cases]
+    command = [sys.executable, "-m", "tests.gpu.host_memory_drill", "--api", str(api_json.resolve()), *cases]
     api = drill_runs.run_bounded(command, out / "host-memory-api.log", bound_s=API_BOUND_S, cwd=ROOT)
     if api_json.exists():
         report = json.loads(api_json.read_text())

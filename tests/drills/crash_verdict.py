@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from drill_checkpoints import ABSENT, losses_and_grad_norms, tensor_differences
+from tests.drills.drill_checkpoints import ABSENT, losses_and_grad_norms, tensor_differences
 
 PASS, MEGATRON_CORE, FAIL = "pass", "megatron-core's difference", "FAIL"
 Differences = dict[str, tuple[str, str]]  # what differs -> (its value uninterrupted, resumed)
