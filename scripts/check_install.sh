@@ -5,8 +5,8 @@
 # copy, and `python -m megatron_offload.run --help` must run. A package folder left out of the install
 # (one without __init__.py) fails here. CI runs it after the tests.
 #   usage: bash scripts/check_install.sh
-#   env:   VENV=.venv (made by scripts/test.sh: its Python builds the wheel, and its torch and
-#          megatron-core are reused by the fresh environments, which install this package with --no-deps)
+#   env:   VENV=.venv (made by scripts/test.sh: its Python and pip build and install the package, and its
+#          torch and megatron-core are reused by the fresh environments, which get this package alone)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -24,10 +24,15 @@ mkdir "$tmp/src"
 git ls-files -z --cached --others --exclude-standard | tar -C "$root" --null --ignore-failed-read -T - -cf - | tar -C "$tmp/src" -xf -
 reused=$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 
-fresh_env() {  # a virtual environment without pip that sees $venv's packages (torch, megatron-core, setuptools)
+fresh_env() {  # a virtual environment without pip that sees $venv's packages (torch, megatron-core) after its own
   "$python" -m venv --without-pip "$1"
-  echo "$reused" >"$("$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/reuse-test-env.pth"
+  site_of "$1" >/dev/null && echo "$reused" >"$(site_of "$1")/reuse-test-env.pth"
 }
+site_of() { "$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
+# $venv's pip installs into the fresh environment's site-packages (--target works with every pip). The
+# build uses $venv's setuptools where it can build wheels itself (>= 70.1), else an isolated one from PyPI.
+isolation=()
+"$python" -c 'import setuptools.command.bdist_wheel' 2>/dev/null && isolation=(--no-build-isolation)
 
 check() {  # every module of the checkout imports from the installed copy; the launcher's --help runs
   (cd "$tmp" && "$1/bin/python" - "$root/megatron_offload" <<'EOF'
@@ -58,13 +63,13 @@ EOF
 }
 
 say "[1/2] a wheel built from the checkout, installed into a fresh environment"
-"$python" -m pip wheel --quiet --no-deps --no-build-isolation -w "$tmp/dist" "$tmp/src"
+"$python" -m pip wheel --quiet --no-deps ${isolation[@]+"${isolation[@]}"} -w "$tmp/dist" "$tmp/src"
 fresh_env "$tmp/wheel-env"
-"$python" -m pip --python "$tmp/wheel-env/bin/python" install --quiet --no-deps "$tmp"/dist/megatron_offload-*.whl
+"$python" -m pip install --quiet --no-deps --target "$(site_of "$tmp/wheel-env")" "$tmp"/dist/megatron_offload-*.whl
 check "$tmp/wheel-env" || { say "the installed wheel is broken (above)"; exit 1; }
 
 say "[2/2] pip install of the checkout (not editable), into a fresh environment"
 fresh_env "$tmp/checkout-env"
-"$python" -m pip --python "$tmp/checkout-env/bin/python" install --quiet --no-deps --no-build-isolation "$tmp/src"
+"$python" -m pip install --quiet --no-deps ${isolation[@]+"${isolation[@]}"} --target "$(site_of "$tmp/checkout-env")" "$tmp/src"
 check "$tmp/checkout-env" || { say "the checkout, installed, is broken (above)"; exit 1; }
 say "the installed package imports every module and runs python -m megatron_offload.run --help"

@@ -5,6 +5,7 @@ import. scripts/check_install.sh installs it for real; these tests catch the cau
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -36,3 +37,16 @@ def test_each_package_says_what_it_holds(init: Path) -> None:
     assert ast.get_docstring(tree), f"{init.relative_to(ROOT)} has no docstring"
     assigned = [t for node in tree.body if isinstance(node, ast.Assign) for t in node.targets]
     assert "__all__" in [t.id for t in assigned if isinstance(t, ast.Name)], f"{init.relative_to(ROOT)} has no __all__"
+
+
+def test_tests_and_benchmarks_import_packages_not_paths() -> None:
+    """Tests and benchmarks reach what they reuse as packages (tests.drills, benchmarks), never by putting a
+    folder on sys.path."""
+    path_edit = re.compile(r"sys\.path(\.insert|\.append|\[:0\])")
+    found = []
+    for folder in ("tests", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if path_edit.search(line) and "path_edit" not in line:
+                    found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not found, "\n".join(found)
