@@ -5,7 +5,10 @@ from setuptools import find_packages, setup
 setup(
     name="megatron-offload",
     version="0.1.0",
-    description="Optimizer-state offloading to pinned host memory for megatron-core's DistributedOptimizer",
+    description=(
+        "Optimizer-state offloading, weight streaming and long-context training for megatron-core, "
+        "in pinned host memory"
+    ),
     long_description=Path("README.md").read_text(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["megatron_offload", "megatron_offload.*"]),

@@ -9,7 +9,7 @@ the whole copy out waits for all of it. Side by side, on the same state (Adam, f
   (queued by the step, started a few at a time by the training loop's next points).
 The read is timed after the compute stream has finished the step (its own work is not counted).
 
-    python benchmarks/copy_order_probe.py [--state-gb 8.4] [--json out.json]
+    python -m benchmarks.copy_order_probe [--state-gb 8.4] [--json out.json]
 """
 
 from __future__ import annotations

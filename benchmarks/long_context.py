@@ -13,7 +13,7 @@ micro-batch 1, ``--seq-length`` = ``--max-position-embeddings`` = ``--seq``):
 Each JSON row keeps ``argv``, ``returncode``, ``parameters``, time, peak reserved memory, the losses and
 its ratio to ``no offload``.
 
-    python benchmarks/long_context.py --megatron-lm PATH --config configs/gpt_4b.yaml --seq 65536 --cap 24 \\
+    python -m benchmarks.long_context --megatron-lm PATH --config configs/gpt_4b.yaml --seq 65536 --cap 24 \\
         [--rows new today base] [--train-iters 6] [--longest 16384 131072] [--out DIR]
 """
 
@@ -26,9 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from weight_streaming import RECOMPUTE, WEIGHTS, ratios, row  # noqa: E402
+from benchmarks.weight_streaming import RECOMPUTE, WEIGHTS, ratios, row
 
 SDPA = ["--spec", "megatron_offload.megatron.sdpa_spec", "gpt_layer_spec"]
 NEW = [*SDPA, "--chunked-loss", "--offload-layer-inputs", *WEIGHTS]

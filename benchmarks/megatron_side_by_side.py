@@ -33,9 +33,9 @@ run ``--caps 75 25`` as a second call); global batch 32, caps 90 50: 6 runs, ~8 
 and plot are written as it ends, so a call cut off still leaves the caps done. When nothing can run (no
 CUDA GPU, no Megatron-LM script at ``--megatron-lm``, no megatron.training) it stops at once, one line.
 
-    python benchmarks/megatron_side_by_side.py --megatron-lm PATH [--upstream-megatron-lm PATH]
+    python -m benchmarks.megatron_side_by_side --megatron-lm PATH [--upstream-megatron-lm PATH]
         [--log-intervals 1 5] [--only NAME ...] [--profile [NAME ...]] [--profile-only]
-    python benchmarks/megatron_side_by_side.py --megatron-lm PATH --sweep --global-batch 8 --caps 90 50 0
+    python -m benchmarks.megatron_side_by_side --megatron-lm PATH --sweep --global-batch 8 --caps 90 50 0
 """
 
 from __future__ import annotations
@@ -54,19 +54,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import memory_speed_curve as curve
+from benchmarks.memory_report import GIB, MIB, parse_log
+from benchmarks.run_logs import did_not_fit, failure_reason, logged_link_gbps
+from benchmarks.trace_summary import TraceError, load_trace
+from benchmarks.trace_summary import compare as compare_traces
+from benchmarks.trace_summary import table as trace_table
+from megatron_offload.config.files import expand_config_argv, needs_one_connection, preflight
+from megatron_offload.core.units import cap_below_peak
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT))
-
-import memory_speed_curve as curve  # noqa: E402
-from memory_report import GIB, MIB, parse_log  # noqa: E402
-from run_logs import did_not_fit, failure_reason, logged_link_gbps  # noqa: E402
-from trace_summary import TraceError, load_trace  # noqa: E402
-from trace_summary import compare as compare_traces  # noqa: E402
-from trace_summary import table as trace_table  # noqa: E402
-
-from megatron_offload.config.files import expand_config_argv, needs_one_connection, preflight  # noqa: E402
-from megatron_offload.core.units import cap_below_peak  # noqa: E402
 
 OFFLOAD = ["--offload-optimizer-states"]
 # Upstream's offloader (Megatron-LM dev, ChunkedOptimizerStateOffloader), with 512 MiB chunks. Its

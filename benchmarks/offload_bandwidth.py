@@ -8,7 +8,7 @@ step, as Megatron-LM's train_step reads a GPU value there. Time is taken after t
 ``--cap``: then again under a GPU memory cap of the no-offload peak less 90% of the state (as on a GPU
 too small for the model): no offload must fail, every policy must run under it.
 
-    python benchmarks/offload_bandwidth.py --json results.json [--cap]
+    python -m benchmarks.offload_bandwidth --json results.json [--cap]
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from megatron_offload.core.gpu_memory import use_expandable_segments_by_default
 ALLOCATOR_NOTE = use_expandable_segments_by_default()  # before CUDA starts, as our entry points do
 
 import torch  # noqa: E402
-from gpt_training import GPTShape, GPTTraining, build_gpt_training, init_distributed, state_bytes  # noqa: E402
 
+from benchmarks.gpt_training import GPTShape, GPTTraining, build_gpt_training, init_distributed, state_bytes  # noqa: E402
 from megatron_offload import attach_offloader  # noqa: E402
 from megatron_offload.core.host_memory import HostSlab  # noqa: E402
 from megatron_offload.core.units import cap_below_peak  # noqa: E402

@@ -13,7 +13,7 @@ Checks (exit status 1 if one fails), every cycle: every part at least 80% of the
 direction; the whole sleep and the whole wake, wall clock (pinning, allocation and giving memory back
 included), at least 80%; the device's free memory rose by at least 95% of the bytes moved.
 
-    python benchmarks/sleep_wake.py --json results/sleep-wake-h100/result.json
+    python -m benchmarks.sleep_wake --json results/sleep-wake-h100/result.json
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from megatron_offload.core.gpu_memory import use_expandable_segments_by_default
 
 ALLOCATOR_NOTE = use_expandable_segments_by_default()  # before CUDA starts, as our entry points do
 
-import gpt_training as harness  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks import gpt_training as harness  # noqa: E402
 from megatron_offload import MegatronSleeper, sleep_wake_for  # noqa: E402
 from megatron_offload.core.host_memory import HostSlab  # noqa: E402
 from megatron_offload.sleep.sleeper import SleepReport  # noqa: E402

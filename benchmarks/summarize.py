@@ -56,7 +56,7 @@ def print_variants(variants: dict) -> None:
 
 
 def integration_table(folder: Path) -> None:
-    """The table scripts/integration.py wrote, if it ran."""
+    """The table tests/drills/integration.py wrote, if it ran."""
     table = folder / "integration" / "table.txt"
     if table.exists():
         print("\nintegration runs\n" + table.read_text(), end="")

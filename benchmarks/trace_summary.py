@@ -19,7 +19,7 @@ stream's busy share in them) and named in the verdict, not compared. Profiled
 iterations run slower than plain ones; the shares compare like with like, the times do not stand in
 for ms/iter.
 
-    python benchmarks/trace_summary.py NO_OFFLOAD_TRACE OFFLOAD_TRACE [--window-ms 25] [--json OUT]
+    python -m benchmarks.trace_summary NO_OFFLOAD_TRACE OFFLOAD_TRACE [--window-ms 25] [--json OUT]
 
 Traces may be gzipped (Megatron writes ``rank-N.json.gz``). Exit status 0 when the bar is met, 1 when not,
 2 when a trace cannot be read. Pure Python: runs anywhere the trace files are.

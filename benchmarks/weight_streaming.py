@@ -11,7 +11,7 @@ way and their exposed copy time per iteration (our log line), peak reserved GPU 
 losses equal no offload's bitwise. ``--profile`` adds one profiled run of each of the two rows
 (iterations 5-6 under torch.profiler) whose traces ``trace_summary.py`` compares.
 
-    python benchmarks/weight_streaming.py --megatron-lm PATH --config configs/gpt_1b.yaml \\
+    python -m benchmarks.weight_streaming --megatron-lm PATH --config configs/gpt_1b.yaml \\
         --extra "--micro-batch-size 8 --global-batch-size 64" [--log-intervals 1 5] [--fit 20] [--profile]
         [--footprint]
 """
@@ -27,9 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from megatron_side_by_side import run  # noqa: E402
+from benchmarks.megatron_side_by_side import run
 
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 WEIGHTS = ["--offload-optimizer-states", "--offload-weights"]

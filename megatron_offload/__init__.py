@@ -1,7 +1,9 @@
-"""Optimizer-state offloading for megatron-core's DistributedOptimizer.
+"""Optimizer-state offloading, weight streaming and long-context training for megatron-core.
 
 Adam's moments and the fp32 master weights live in pinned host memory between optimizer steps and
-come back on a side CUDA stream before the next step; the Adam math stays on the GPU.
+come back on a side CUDA stream before the next step; the Adam math stays on the GPU. With weight
+streaming, every transformer layer's weights and gradients live in host memory too and stream through
+a few GPU slots, layer by layer.
 """
 
 from megatron_offload.config.flags import add_offload_args, config_from_args, validate_offload_args

@@ -19,7 +19,7 @@ from typing import NoReturn
 
 import torch
 
-from megatron_offload.config.files import NO_CUDA, add_switch_inverses, expand_config_argv
+from megatron_offload.config.files import NO_CUDA, add_switch_inverses, expand_config_argv, parse_error
 from megatron_offload.config.flags import UPSTREAM_FLAG, add_offload_args, check_offload_combinations
 from megatron_offload.megatron.optimizer_adapter import OffloadFitError
 from megatron_offload.megatron.training_hooks import MissingMegatronTraining, install_training_hooks
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     script, *script_args = argv
     if not Path(script).is_file():
-        print(f"megatron_offload.run: no such script: {script}\n{USAGE}", file=sys.stderr)
+        print(f"megatron-offload: no such script: {script}\n{USAGE}", file=sys.stderr)
         return 2
     # In the order of what the user can fix fastest: the command line, then the machine (no GPU cannot be
     # installed away, so it comes before the advice to install Megatron-LM's training loop).
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         script_args = expand_config_argv(script_args)
         check_offload_flags(script_args)
     except (ValueError, OSError) as error:  # the input: one line
-        print(f"megatron_offload.run: {error}", file=sys.stderr)
+        print(f"megatron-offload: {parse_error(str(error), script_args) or error}", file=sys.stderr)
         return 2
     wants_help = bool(set(HELP) & set(script_args))
     if not wants_help and not torch.cuda.is_available():
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         if wants_help:  # ours, then why Megatron's are not listed
             print(f"{help_text()}\n\nMegatron-LM's own flags are not listed here: {error}")
             return 0
-        print(f"megatron_offload.run: {error}", file=sys.stderr)
+        print(f"megatron-offload: {error}", file=sys.stderr)
         return 2
     sys.argv = [script, *script_args]
     sys.path.insert(0, str(Path(script).resolve().parent))

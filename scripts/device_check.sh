@@ -14,7 +14,7 @@
 #                         a copy of Megatron-LM's dev branch, run by its own pretrain_gpt.py and loop
 #            trace        separate profiled runs (--log-interval 1, torch.profiler through Megatron's
 #                         --profile) and benchmarks/trace_summary.py's verdict ($TRACE_ARGS narrows it)
-#            integration  scripts/integration.py entries for $GPUS GPUs
+#            integration  tests/drills/integration.py entries for $GPUS GPUs
 #            sweep        (not in the default) the memory-speed curve under caps ($SWEEP_ARGS)
 #            long         (not in the default) benchmarks/long_context.py: the SDPA spec, --chunked-loss and
 #                         --offload-layer-inputs in Megatron-LM's loop ($LONG_ARGS: its arguments)
@@ -58,18 +58,18 @@ for v in "${versions[@]}"; do
 done
 if wants probe; then
   echo "=== copy-order probe"
-  python3 benchmarks/copy_order_probe.py --json "$results/probe.json" 2>&1 | tee "$results/probe.log" | tail -n 5
+  python3 -m benchmarks.copy_order_probe --json "$results/probe.json" 2>&1 | tee "$results/probe.log" | tail -n 5
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if wants bench; then
   echo "=== library benchmark, the 0.95B GPT, uncapped and capped"
-  python3 benchmarks/offload_bandwidth.py --shapes pretraining-0.9b --steps "${BENCH_STEPS:-6}" \
+  python3 -m benchmarks.offload_bandwidth --shapes pretraining-0.9b --steps "${BENCH_STEPS:-6}" \
     --variants finalize "step (streamed)" --cap --json "$results/bench-${versions[-1]}.json" >"$results/bench.log" 2>&1 \
     || { status=1; tail -n 30 "$results/bench.log"; }
 fi
 side() {  # side OUT_NAME ARGS...: the side-by-side harness, our client and upstream's when there is one
   local name=$1; shift
-  eval "python3 benchmarks/megatron_side_by_side.py --megatron-lm \"${MEGATRON_LM:-.megatron-lm}\" --gpus 1 \
+  eval "python3 -m benchmarks.megatron_side_by_side --megatron-lm \"${MEGATRON_LM:-.megatron-lm}\" --gpus 1 \
     ${upstream:+--upstream-megatron-lm \"$upstream\"} $* --out \"$results/$name\"" 2>&1 | tee "$results/$name.log" \
     | grep -vE "Warning|warn" | tail -n 24
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
@@ -93,24 +93,24 @@ if wants weights; then  # not in the default PARTS: ~7 min (speed) or ~4 min (fi
     fit) weights_args=(--config configs/gpt_4b.yaml --train-iters 20 --log-intervals --fit 20) ;;
   esac
   echo "=== weight streaming (${WEIGHTS_PART:-speed})"
-  python3 benchmarks/weight_streaming.py --megatron-lm "${MEGATRON_LM:-.megatron-lm}" "${weights_args[@]}" \
+  python3 -m benchmarks.weight_streaming --megatron-lm "${MEGATRON_LM:-.megatron-lm}" "${weights_args[@]}" \
     --out "$results/weights" 2>&1 | tee "$results/weights.log" | grep -vE "Warning|warn" | tail -n 12
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if wants long; then  # not in the default PARTS: long context in Megatron-LM's loop; $LONG_ARGS picks the rows
   echo "=== long context (${LONG_ARGS:-the 4.18B GPT at 65,536 tokens under a 24 GiB cap})"
-  eval "python3 benchmarks/long_context.py --megatron-lm \"${MEGATRON_LM:-.megatron-lm}\" \
+  eval "python3 -m benchmarks.long_context --megatron-lm \"${MEGATRON_LM:-.megatron-lm}\" \
     ${LONG_ARGS:---config configs/gpt_4b.yaml --seq 65536 --cap 24} --out \"$results/long\"" 2>&1 \
     | tee "$results/long.log" | grep -vE "Warning|warn" | tail -n 12
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if wants integration; then
   echo "=== megatron-core ${versions[-1]}: integration runs on $gpus GPU(s)"
-  python3 scripts/integration.py --gpus "$gpus" --out "$results/integration" 2>&1 | tee "$results/integration.log" \
+  python3 -m tests.drills.integration --gpus "$gpus" --out "$results/integration" 2>&1 | tee "$results/integration.log" \
     | grep -vE "Warning|warn" | tail -n 40
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
-python3 benchmarks/summarize.py "$results" | tee "$results/summary.txt"
+python3 -m benchmarks.summarize "$results" | tee "$results/summary.txt"
 if [ -n "${OUT:-}" ]; then  # traces (3-4 MB each for the 0.95B GPT) apart, only where they fit what comes back
   tar czf "$OUT/results.tgz" --exclude=torch_profile --exclude=tensorboard "$results" && cp "$results/summary.txt" "$OUT/"
   traces=$(find "$results" -path '*torch_profile*' -type f)

@@ -31,7 +31,7 @@ def _require_megatron_training() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from megatron_offload.config.files import missing_training_message
 
-    print(f"pretrain_gpt.py: {missing_training_message()}", file=sys.stderr)
+    print(f"megatron-offload: {missing_training_message()}", file=sys.stderr)
     sys.exit(2)
 
 
@@ -44,7 +44,7 @@ from megatron_offload.config.files import expand_config_argv
 try:
     sys.argv[1:] = expand_config_argv(sys.argv[1:])
 except (OSError, ValueError) as error:  # a missing or malformed --config file: one line, no traceback
-    sys.exit(f"pretrain_gpt.py: {error}")
+    sys.exit(f"megatron-offload: {error}")
 
 import torch
 from megatron.core import mpu
@@ -161,7 +161,7 @@ def check_without_transformer_engine(args) -> None:
     flags = [flag for flag, is_needed in needed.items() if is_needed]
     if flags:
         sys.exit(
-            f"pretrain_gpt.py: TransformerEngine/apex kernels are not installed here; add {' '.join(flags)} "
+            f"megatron-offload: TransformerEngine/apex kernels are not installed here; add {' '.join(flags)} "
             "(the configs/*.yaml files carry these flags)."
         )
 

@@ -14,7 +14,13 @@ python=${PYTHON:-python3}
 torch_version=${TORCH_VERSION:-2.13.0}
 torch_index=${TORCH_INDEX-https://download.pytorch.org/whl/cpu}
 say() { echo "megatron-offload: $*" >&2; }
-stamp="$venv/.installed-$( (echo "torch==$torch_version"; cat setup.py) | sha256sum | cut -c1-16)"
+# The install is redone when what it installs changes (torch, setup.py's requirements), not its wording.
+requirements() {
+  "$python" -c 'import ast, sys
+call = next(n for n in ast.walk(ast.parse(open("setup.py").read())) if getattr(getattr(n, "func", None), "id", "") == "setup")
+print(*[ast.unparse(k) for k in call.keywords if k.arg in ("python_requires", "install_requires", "extras_require")], sep="\n")'
+}
+stamp="$venv/.installed-$( (echo "torch==$torch_version"; requirements) | sha256sum | cut -c1-16)"
 if [ ! -e "$stamp" ]; then
   if [ ! -x "$venv/bin/python" ]; then
     say "[1/4] making $venv with $python ($("$python" --version 2>&1))"

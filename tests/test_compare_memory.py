@@ -1,4 +1,4 @@
-"""The nightly memory comparison (scripts/compare_memory.py) on recorded logs: no GPU, no Megatron run.
+"""The nightly memory comparison (benchmarks/compare_memory.py) on recorded logs: no GPU, no Megatron run.
 
 The logs under tests/data/memory_logs/ are small synthetic ones in Megatron-LM 0.19.2's formats (6
 iterations of configs/nightly_memory.yaml on one GPU); snapshots are built here, tiny, in the format of
@@ -17,13 +17,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT / "tests" / "data" / "memory_logs"
-sys.path.insert(0, str(ROOT / "scripts"))  # the tool and its report modules are scripts, not a package
-
-import compare_memory  # noqa: E402
-from memory_plots import allocated_timeline  # noqa: E402
-from memory_report import (  # noqa: E402
+from benchmarks import compare_memory
+from benchmarks.memory_plots import allocated_timeline
+from benchmarks.memory_report import (
     ThresholdsError,
     expected_state_bytes,
     last_error_line,
@@ -31,6 +27,9 @@ from memory_report import (  # noqa: E402
     parse_log,
     summarize,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "tests" / "data" / "memory_logs"
 
 PARAMETERS = 732_257_280  # what the fixture logs print for configs/nightly_memory.yaml
 
@@ -199,7 +198,7 @@ def test_bad_thresholds_key_exits_2_from_the_command_line(tmp_path: Path) -> Non
     thresholds = tmp_path / "thresholds.yaml"
     text = (ROOT / "configs" / "nightly_thresholds.yaml").read_text()
     thresholds.write_text(text.replace("min_saving_fraction:", "min_savings_fraction:"))
-    command = [sys.executable, "scripts/compare_memory.py", "--from-logs", str(logs_dir(tmp_path))]
+    command = [sys.executable, "-m", "benchmarks.compare_memory", "--from-logs", str(logs_dir(tmp_path))]
     result = subprocess.run([*command, "--thresholds", str(thresholds)], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 2
     assert "unknown keys ['min_savings_fraction'], missing keys ['min_saving_fraction']" in result.stderr

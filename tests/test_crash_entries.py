@@ -1,22 +1,16 @@
 """The crash entries' judgement, on the CPU: what they read from Megatron's logs and checkpoint
 directories, and the bitwise comparison of two torch_dist (DCP) checkpoints. The runs themselves need
-a GPU (scripts/integration.py --only crash-after-step crash-backward crash-checkpoint).
+a GPU (tests/drills/integration.py --only crash-after-step crash-backward crash-checkpoint).
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # scripts, not a package
-
-import crash_checks  # noqa: E402
-import crash_verdict  # noqa: E402
-import drill_checkpoints  # noqa: E402
-import drill_runs  # noqa: E402
+from tests.drills import crash_checks, crash_verdict, drill_checkpoints, drill_runs
 
 
 def line(i: int, loss: str, norm: str) -> str:

@@ -1,6 +1,6 @@
 """The crash drill's bounds, on the CPU with real subprocesses (no GPU, no Megatron): a run that hangs,
 a launcher whose child ignores SIGTERM in a session of its own, an orphan that outlives a killed run
-(what hung issue 23's first GPU try), and whole crash entries run with a stand-in for
+(what once hung a GPU drill), and whole crash entries run with a stand-in for
 tests/gpu/crash_driver.py that prints Megatron's lines and writes torch_dist-like saves. Each ends with
 a verdict within its bound; nothing of the bound logic is mocked.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -16,10 +17,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # scripts, not a package
-
-import crash_entries  # noqa: E402
-import drill_runs  # noqa: E402
+from tests.drills import crash_entries, drill_runs
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="the drill reads processes from /proc")
 
@@ -52,6 +50,22 @@ if __name__ == "__main__":
 """
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
+
+
+def loopback_problem() -> str | None:
+    """Why ``torchrun --standalone`` cannot meet its workers here (its rendezvous listens on localhost and
+    connects to it), or None where it can."""
+    try:
+        server = socket.create_server(("localhost", 0))
+        with server, socket.create_connection(("localhost", server.getsockname()[1]), timeout=5):
+            pass
+    except OSError as error:
+        return f"torchrun --standalone needs loopback networking (localhost), which this machine lacks: {error}"
+    return None
+
+
+LOOPBACK = loopback_problem()
+needs_loopback = pytest.mark.skipif(LOOPBACK is not None, reason=LOOPBACK or "")
 
 
 def alive(pid: int) -> bool:
@@ -91,8 +105,9 @@ def test_a_launcher_whose_child_ignores_sigterm_in_its_own_session_is_killed_who
     assert "(after iteration 12)" in drill_runs.verdict("killed", outcome)
 
 
+@needs_loopback
 def test_an_orphan_holding_the_output_pipe_would_hang_a_drill_that_reads_to_its_end(tmp_path: Path) -> None:
-    """The cause of issue 23's hang: torchrun has exited, its output pipe never ends."""
+    """Why a drill that reads a run's output to its end hangs: torchrun has exited, its output pipe never ends."""
     script = tmp_path / "worker.py"
     script.write_text(KILLED_WORKER)
     token = "pipe-test"
@@ -115,6 +130,7 @@ def test_an_orphan_holding_the_output_pipe_would_hang_a_drill_that_reads_to_its_
         process.communicate(timeout=30)
 
 
+@needs_loopback
 def test_a_killed_run_whose_orphans_outlive_it_comes_back_and_they_are_reaped(tmp_path: Path) -> None:
     script = tmp_path / "worker.py"
     script.write_text(KILLED_WORKER)
@@ -340,12 +356,12 @@ def test_the_drill_kills_its_run_when_it_is_interrupted_itself(tmp_path: Path) -
 
 DRILL = """
 import sys
-sys.path.insert(0, sys.argv[1])
-import drill_runs
 from pathlib import Path
 
+from tests.drills import drill_runs
+
 drill_runs.exit_on_sigterm()
-drill_runs.run_bounded([sys.executable, "-c", sys.argv[3]], Path(sys.argv[2]), bound_s=120)
+drill_runs.run_bounded([sys.executable, "-c", sys.argv[2]], Path(sys.argv[1]), bound_s=120)
 """
 
 
@@ -353,8 +369,8 @@ def test_a_drill_ended_with_sigterm_takes_its_run_with_it(tmp_path: Path) -> Non
     """``timeout`` or a scheduler ends the drill with SIGTERM: the run under way (in a session of its own,
     which no signal to the drill's group reaches) is killed on the way out."""
     log = tmp_path / "run.log"
-    scripts = str(Path(drill_runs.__file__).parent)
-    drill = subprocess.Popen([sys.executable, "-c", DRILL, scripts, str(log), SLEEPER])
+    root = Path(__file__).resolve().parents[1]  # python -c puts the working directory on sys.path
+    drill = subprocess.Popen([sys.executable, "-c", DRILL, str(log), SLEEPER], cwd=root)
     deadline = time.monotonic() + 30
     while not (log.exists() and pids(log.read_text())) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -51,3 +51,43 @@ def test_each_case_and_drill_ends_with_one_verdict_line_and_a_missing_case_fails
         "short-during-save      PASS",
         "host-memory drills: PASS",
     ]
+
+
+def megatron_log(losses: dict[int, str], norm: str = "2.389") -> str:
+    """Megatron's iteration lines (the parts the drill reads) with these logged losses."""
+    return "".join(
+        f" [2026-11-25 10:00:00.000000] iteration {i:8d}/      10 | consumed samples: {8 * i:12d} | lm loss: {loss} |"
+        f" loss scale: 1.0 | grad norm: {norm} | number of skipped iterations:   0 |\n"
+        for i, loss in losses.items()
+    )
+
+
+# Iterations 6-10 as the refused run logs them, and as the run resumed from iteration 5 logs them: Megatron
+# logs a process's second iteration as the mean of its first two (training_log keeps the loss sums of a
+# process's first iteration), so iteration 7 differs with and without offloading alike.
+REFUSED = megatron_log({6: "9.991E+00", 7: "9.978575E+00", 8: "9.951E+00", 9: "9.940E+00", 10: "9.930E+00"})
+RESUMED = megatron_log({6: "9.991E+00", 7: "1.003003E+01", 8: "9.951E+00", 9: "9.940E+00", 10: "9.930E+00"})
+
+
+def test_a_resume_difference_the_control_shows_too_is_megatron_cores_and_passes() -> None:
+    from tests.gpu import host_memory_drill as drill
+
+    verdict = drill.resume_verdict((REFUSED, RESUMED), (REFUSED, RESUMED))
+    assert verdict.failures == [] and verdict.status == "megatron-core's difference"
+    assert verdict.megatron_core == [
+        "iteration 7 lm loss: 9.978575E+00 uninterrupted, 1.003003E+01 resumed; the same without offloading"
+    ]
+    assert drill.resume_verdict((REFUSED, REFUSED), (REFUSED, REFUSED)).status == "pass"
+
+
+def test_a_resume_difference_without_a_control_or_only_with_offloading_fails() -> None:
+    from tests.gpu import host_memory_drill as drill
+
+    alone = drill.resume_verdict((REFUSED, RESUMED), None)
+    assert alone.failures == [
+        "iteration 7 lm loss: 9.978575E+00 uninterrupted, 1.003003E+01 resumed (no control to tell whose)"
+    ]
+    ours = drill.resume_verdict((REFUSED, RESUMED), (REFUSED, REFUSED))
+    assert ours.status == "FAIL" and "the run without offloading resumed equal" in ours.failures[0]
+    norms = drill.resume_verdict((REFUSED, megatron_log(dict.fromkeys(range(6, 11), "9.9E+00"), "2.4")), (REFUSED,) * 2)
+    assert norms.status == "FAIL" and any("grad norm" in failure for failure in norms.failures)

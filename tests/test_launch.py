@@ -59,8 +59,7 @@ def test_log_fields_average_over_the_interval() -> None:
     assert "offload exposed (ms): 50.0 |" in fields
     assert "mem allocated/reserved (GiB): 1.00/2.00 |" in fields
     assert "mem peak allocated/reserved (GiB): 5.00/6.00 |" in fields
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from memory_report import parse_log
+    from benchmarks.memory_report import parse_log
 
     step = parse_log(f" [2026-11-23] iteration        5/      20 | lm loss: 1.0E+01 |{fields}").steps[5]
     assert (step.peak_allocated_gib, step.peak_reserved_gib, step.offloaded_gib) == (5.0, 6.0, 3.0)
@@ -97,8 +96,7 @@ def test_pretrain_script_explains_missing_megatron_training() -> None:
 
 
 def test_integration_reads_losses_memory_and_offload_figures_from_megatron_logs() -> None:
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import integration
+    from tests.drills import integration
 
     logs = ROOT / "tests" / "data" / "memory_logs"
     baseline = integration.parse_log((logs / "baseline.log").read_text())

@@ -62,7 +62,7 @@ def test_a_bad_offload_flag_is_named_before_the_machine_or_the_install(
     assert run.main([script, *BASE, "--lr", "1e-4", *argv]) == 2
     out, err = capsys.readouterr()
     (line,) = err.splitlines()
-    assert line.startswith("megatron_offload.run: ") and message in line and out == ""
+    assert line.startswith("megatron-offload: ") and message in line and out == ""
     assert "megatron.training" not in line and NO_CUDA not in line
 
 
@@ -110,7 +110,7 @@ def test_good_flags_on_a_gpu_hear_what_to_install(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert run.main([script, *BASE, "--offload-optimizer-states", "--offload-fraction", "auto"]) == 2
     (line,) = capsys.readouterr().err.splitlines()
-    assert line.startswith("megatron_offload.run: Megatron-LM's training loop (megatron.training) is not installed")
+    assert line.startswith("megatron-offload: Megatron-LM's training loop (megatron.training) is not installed")
 
 
 def test_megatron_flags_the_check_does_not_know_pass_through(script: str) -> None:

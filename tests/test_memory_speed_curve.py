@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks import megatron_side_by_side as side
+from benchmarks import memory_speed_curve as curve
+from benchmarks import run_logs
 
-import megatron_side_by_side as side  # noqa: E402
-import memory_speed_curve as curve  # noqa: E402
-import run_logs  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 GIB = 1024**3
 PARAMETERS = 955_000_000  # configs/gpt_0p9b.yaml: 12 bytes each, 10.67 GiB of state
@@ -102,8 +101,14 @@ def test_the_sweep_writes_every_figure(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert tight["rows"]["no offload"]["outcome"] == "did not fit" and "derived" in tight["rows"]["no offload"]
     assert result["caps"][0]["rows"]["no offload"]["x_no_offload"] == 1.0  # cap 0%: its own uncapped run
     assert tight["rows"]["upstream chunked offload"]["x_no_offload"] == pytest.approx(800 / 600)
-    assert result["plot"] == "curve.png" and (tmp_path / "curve.png").stat().st_size > 1000
     assert "cap 90%" in (tmp_path / "curve.txt").read_text()
+
+
+def test_the_sweep_plots_its_curve(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the plot needs matplotlib (the test and nightly extras install it)")
+    code, _ = run_sweep(monkeypatch, ["--out", str(tmp_path), "--caps", "90", "50"], sweep_run())
+    assert code == 0 and json.loads((tmp_path / "curve.json").read_text())["plot"] == "curve.png"
+    assert (tmp_path / "curve.png").stat().st_size > 1000
 
 
 def test_a_capped_no_offload_run_that_fails_is_did_not_fit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -187,13 +192,10 @@ def test_no_benchmark_imports_the_test_package() -> None:
             assert not any(n == "tests" or n.startswith("tests.") for n in names), f"{path.name} imports {names}"
 
 
-@pytest.mark.parametrize("script", ["offload_bandwidth.py", "sleep_wake.py", "megatron_side_by_side.py"])
-def test_benchmarks_start_without_pythonpath(script: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("module", ["offload_bandwidth", "sleep_wake", "megatron_side_by_side", "compare_memory"])
+def test_benchmarks_start_from_the_checkout_without_pythonpath(module: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    found = subprocess.run([sys.executable, "-c", "import megatron_offload"], env=env, cwd=tmp_path)
-    if found.returncode != 0:
-        pytest.skip("megatron_offload is not installed in this Python (pip install -e .): nothing to start from")
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--help"], env=env, cwd=tmp_path,
+    result = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--help"], env=env, cwd=ROOT,
                             capture_output=True, text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert "usage" in result.stdout

@@ -9,12 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import megatron_side_by_side as side
 from tests.chrome_traces import busy_kernels, memcpy, step, write
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import megatron_side_by_side as side  # noqa: E402
 
 UPSTREAM_ROWS = [name for name, _ in side.UPSTREAM]
 
@@ -66,7 +64,7 @@ def run_main(monkeypatch: pytest.MonkeyPatch, argv: list[str], run) -> tuple[int
     [
         (set(), 1),  # the capped no-offload runs ran although the cap should have stopped them
         ({"log1-cap-90-no-offload", "log1-cap-50-no-offload"}, 0),  # as meant: only those fail
-        ({"log1-no-offload", "log1-full-offload-auto"}, 1),  # every run failed: issue 16's case
+        ({"log1-no-offload", "log1-full-offload-auto"}, 1),  # every run failed
         ({"log1-cap-90-no-offload", "log1-cap-50-no-offload", "log1-cap-90-step"}, 1),
     ],
 )
@@ -214,7 +212,7 @@ def test_prepare_upstream_borrows_the_installed_helpers_only_for_the_same_source
 def test_the_summary_table_gives_each_trace_verdict(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path, upstream: Path
 ) -> None:
-    import summarize
+    from benchmarks import summarize
 
     args = ["--upstream-megatron-lm", str(upstream), "--out", str(tmp_path / "trace"), "--log-intervals", "1",
             "--profile", "no offload", "upstream chunked offload", "--profile-only"]  # fmt: skip

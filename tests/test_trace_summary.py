@@ -1,22 +1,19 @@
 """benchmarks/trace_summary.py on synthetic chrome traces whose figures are known: the compute stream's
 busy time per profiled iteration, its busy share in the windows where copies run against no offload's in
-the same windows, and issue 20's verdict (passing and failing cases)."""
+the same windows, and the overlap verdict (passing and failing cases)."""
 
 from __future__ import annotations
 
 import json
 import random
-import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks import trace_summary as ts
 from tests.chrome_traces import COMPUTE, busy_kernels, kernel, memcpy, step, write
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import trace_summary as ts  # noqa: E402
 
 
 def base_events(share: float = 0.8) -> list[dict]:

@@ -4,7 +4,9 @@ command line's own, so precedence is Megatron's defaults < the YAML file < the c
 Keys are Megatron flag names (``num_layers`` or ``num-layers``); ``true`` gives the bare flag, ``false``
 gives ``--no-NAME`` (``add_switch_inverses`` gives every switch that form), lists give several values,
 other values ``--NAME=VALUE``, so that a value given to a switch is refused naming the switch. Unknown
-keys are not ignored: Megatron's parser rejects them as unrecognized arguments.
+keys are not ignored: Megatron's parser rejects them as unrecognized arguments. A parse error about a
+flag the file gave (``use-distributed-optimizer: 3``, ``offload-chunk-mb: big``) names the file and the
+key and says what to give (``parse_error``).
 
 ``python -m megatron_offload.config.files ARGS...`` checks a training command line before torchrun
 starts (``scripts/train.sh``): the config file, megatron.training, a CUDA GPU; one line and exit 2 if not.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -27,6 +30,7 @@ __all__ = [
     "expand_config_argv",
     "missing_training_message",
     "needs_one_connection",
+    "parse_error",
     "preflight",
 ]
 
@@ -48,31 +52,49 @@ def _load_yaml(path: str | Path) -> object:
         raise ValueError(f"--config {path}: not valid YAML: {error}") from None
 
 
-def config_flags(path: str | Path) -> list[str]:
-    """The command-line flags a YAML config file stands for."""
+def _keys_and_flags(path: str | Path) -> list[tuple[str, list[str]]]:
+    """Each key of the file with the command-line flags it stands for."""
     data = _load_yaml(path)
     if not isinstance(data, dict):
         raise ValueError(f"--config {path}: expected a mapping of Megatron flag names to values")
-    flags: list[str] = []
+    found: list[tuple[str, list[str]]] = []
     for key, value in data.items():
         name = str(key).replace("_", "-")
         if value is True:
-            flags.append(f"--{name}")
+            found.append((str(key), [f"--{name}"]))
         elif value is False:  # the switch's opposite: no-NAME: false is --NAME
-            flags.append(f"--{name[3:]}" if name.startswith("no-") else f"--no-{name}")
+            found.append((str(key), [f"--{name[3:]}" if name.startswith("no-") else f"--no-{name}"]))
         elif value is None:
             raise ValueError(f"--config {path}: key {key!r} has no value; give one or remove the key")
         elif isinstance(value, list):
-            flags += [f"--{name}", *map(str, value)]
+            found.append((str(key), [f"--{name}", *map(str, value)]))
         elif isinstance(value, dict):
             raise ValueError(f"--config {path}: key {key!r} holds a mapping; flags take scalars or lists")
         else:
-            flags.append(f"--{name}={value}")  # one token: a switch given a value is refused by name
-    return flags
+            found.append((str(key), [f"--{name}={value}"]))  # one token: a switch given a value is refused by name
+    return found
+
+
+def config_flags(path: str | Path) -> list[str]:
+    """The command-line flags a YAML config file stands for."""
+    return [flag for _, flags in _keys_and_flags(path) for flag in flags]
+
+
+class _FileFlag(str):
+    """A flag token a ``--config`` file gave, knowing the file and the key (what ``parse_error`` names)."""
+
+    origin: tuple[str, str]
+
+
+def _file_flag(token: str, path: str, key: str) -> _FileFlag:
+    flag = _FileFlag(token)
+    flag.origin = (path, key)
+    return flag
 
 
 def expand_config_argv(argv: list[str]) -> list[str]:
-    """Replace ``--config PATH`` (or ``--config=PATH``) in ``argv`` by the file's flags, put first."""
+    """Replace ``--config PATH`` (or ``--config=PATH``) in ``argv`` by the file's flags, put first. Each
+    flag token the file gave knows its file and key (for ``parse_error``), also once in ``sys.argv``."""
     for index, arg in enumerate(argv):
         if arg == "--config" or arg.startswith("--config="):
             if arg == "--config":
@@ -83,8 +105,36 @@ def expand_config_argv(argv: list[str]) -> list[str]:
                 path, rest = arg.split("=", 1)[1], argv[:index] + argv[index + 1 :]
             if not Path(path).is_file():
                 raise FileNotFoundError(f"--config {path}: no such file (see configs/ for the shipped ones)")
-            return config_flags(path) + expand_config_argv(rest)
+            flags = []
+            for key, (flag, *values) in _keys_and_flags(path):
+                flags += [_file_flag(flag, path, key), *values]
+            return flags + expand_config_argv(rest)
     return argv
+
+
+def parse_error(message: str, argv: list[str] | None = None) -> str | None:
+    """argparse's message about a flag that a ``--config`` file gave in ``argv`` (default ``sys.argv``),
+    as one line naming the file and the key and saying what to give; None when the flag did not come
+    from a file, or the command line gives it too."""
+    match = re.match(r"argument (\S+?): (.*)", message, re.DOTALL)
+    if not match:
+        return None
+    names = match[1].split("/")
+    tokens = [token for token in (sys.argv if argv is None else argv) if token.split("=", 1)[0] in names]
+    from_files = [token for token in tokens if isinstance(token, _FileFlag)]
+    if not from_files or len(from_files) != len(tokens):
+        return None
+    path, key = from_files[-1].origin
+    problem = match[2]
+    value = re.search(r"'(.*)'", problem)
+    if problem.startswith("ignored explicit argument") and value:
+        problem = f"{match[1].split('/')[0]} is an on/off switch: give true or false, not {value[1]}"
+    elif problem.startswith("expected one argument"):
+        problem = "needs a value; true and false are for on/off switches"
+    elif re.match(r"invalid (float|int) value", problem) and value:
+        kind = "a whole number" if "int" in problem.split()[1] else "a number"
+        problem = f"expected {kind}, got {value[1]!r}"
+    return f"--config {path}, key {key}: {problem}"
 
 
 def needs_one_connection(argv: list[str]) -> bool:

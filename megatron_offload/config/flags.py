@@ -14,9 +14,10 @@ reads the switch either way.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from megatron_offload.config.long_context_flags import add_long_context_args, check_long_context_flags
-from megatron_offload.config.options import AUTO, OffloadConfig, PrefetchPolicy
+from megatron_offload.config.options import AUTO, OffloadConfig, PrefetchPolicy, SettingError
 from megatron_offload.config.weight_flags import add_weight_args, check_weight_flags
 
 __all__ = [
@@ -41,6 +42,14 @@ OWN_DEST = "megatron_offload_optimizer_states"
 """Where ``--offload-optimizer-states`` lands on a parser whose Megatron-LM defines the flag too."""
 UPSTREAM_FLAG = "--chunked-optimizer-state-offload"
 """Megatron-LM's own offloader (its ``dev`` branch), of which it makes our flag's name an alias."""
+SETTING_FLAGS = {
+    "offload_master_weights": "--offload-master-weights",
+    "prefetch": "--offload-prefetch",
+    "chunk_mb": "--offload-chunk-mb",
+    "fraction": "--offload-fraction",
+    "check_host_memory": "--offload-host-memory-check",
+}
+"""The flag of each OffloadConfig field, for messages worded as the command line gives them."""
 
 
 def has_offload_args(parser: argparse.ArgumentParser) -> bool:
@@ -83,6 +92,19 @@ def offload_fraction(text: str) -> float | str:
         raise argparse.ArgumentTypeError(f"expected 'auto' or a number from 0 to 1, got {text!r}") from None
 
 
+def _number_of(what: str) -> Callable[[str], float]:
+    """argparse type of a number flag whose refusal says what to give (its range is checked with the other
+    values, as for --offload-fraction)."""
+
+    def number(text: str) -> float:
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+
+    return number
+
+
 def add_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the offload flags to ``parser`` and return it (unchanged if it has them already). Where
     Megatron-LM defines ``--offload-optimizer-states`` too, ours replaces it (see the module's note)."""
@@ -121,7 +143,7 @@ def add_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     )
     group.add_argument(
         "--offload-chunk-mb",
-        type=float,
+        type=_number_of("a number of MiB, such as 64 (the default)"),
         default=DEFAULTS.chunk_mb,
         metavar="MIB",
         help="Size of the pieces the state moves in (default 64). The streamed optimizer step holds three "
@@ -139,7 +161,7 @@ def add_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     )
     group.add_argument(
         "--offload-gpu-memory-cap-gib",
-        type=float,
+        type=_number_of("a number of GiB, the GPU memory to imitate, such as 20"),
         default=None,
         metavar="GIB",
         help="Let this process use at most this much GPU memory, as if the GPU were that small "
@@ -260,13 +282,17 @@ def ignored_offload_flags(args: argparse.Namespace) -> list[str]:
 
 
 def config_from_args(args: argparse.Namespace) -> OffloadConfig:
-    """The OffloadConfig the flags describe (call ``validate_offload_args`` first)."""
-    return OffloadConfig(
-        # Streamed weights build the fp32 masters in host memory already: nothing to move.
-        offload_master_weights=getattr(args, "offload_master_weights", DEFAULTS.offload_master_weights)
-        and not getattr(args, "offload_weights", False),
-        prefetch=PrefetchPolicy(getattr(args, "offload_prefetch", DEFAULTS.prefetch)),
-        chunk_mb=getattr(args, "offload_chunk_mb", DEFAULTS.chunk_mb),
-        fraction=getattr(args, "offload_fraction", DEFAULTS.fraction),
-        check_host_memory=getattr(args, "offload_host_memory_check", DEFAULTS.check_host_memory),
-    )
+    """The OffloadConfig the flags describe (call ``validate_offload_args`` first); a value out of range is
+    a ValueError naming its flag."""
+    try:
+        return OffloadConfig(
+            # Streamed weights build the fp32 masters in host memory already: nothing to move.
+            offload_master_weights=getattr(args, "offload_master_weights", DEFAULTS.offload_master_weights)
+            and not getattr(args, "offload_weights", False),
+            prefetch=getattr(args, "offload_prefetch", DEFAULTS.prefetch),
+            chunk_mb=getattr(args, "offload_chunk_mb", DEFAULTS.chunk_mb),
+            fraction=getattr(args, "offload_fraction", DEFAULTS.fraction),
+            check_host_memory=getattr(args, "offload_host_memory_check", DEFAULTS.check_host_memory),
+        )
+    except SettingError as error:
+        raise ValueError(error.named(SETTING_FLAGS.get(error.field, error.field))) from None

@@ -1,13 +1,18 @@
-"""Settings of optimizer-state offloading, as one dataclass; flags map onto it in ``args.py``."""
+"""Settings of optimizer-state offloading, as one dataclass; flags map onto it in ``flags.py``.
+
+A value out of range is a ``SettingError`` naming the field (``OffloadConfig.chunk_mb``), as the Python API
+gives it; ``flags.config_from_args`` names the flag instead, as the command line gives it.
+"""
 
 from __future__ import annotations
 
+import difflib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from enum import Enum
 from typing import Literal
 
-__all__ = ["AUTO", "OffloadConfig", "PrefetchPolicy"]
+__all__ = ["AUTO", "OffloadConfig", "PrefetchPolicy", "SettingError"]
 
 AUTO = "auto"
 """The ``fraction`` that lets the offloader choose how much to keep on the GPU."""
@@ -24,6 +29,18 @@ class PrefetchPolicy(str, Enum):
     """All of it when gradients are finalized (backward done): the copy overlaps the gradient reduction."""
     STEP = "step"
     """None of it ahead: the step streams everything, holding at most three chunks on the GPU."""
+
+
+class SettingError(ValueError):
+    """A setting out of range: the field it is, and what is wrong, so each way in can name it its own way."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        self.field, self.problem = field, problem
+        super().__init__(self.named(f"OffloadConfig.{field}"))
+
+    def named(self, name: str) -> str:
+        """The message with the setting called ``name`` (a flag, a keyword)."""
+        return f"{name} {self.problem}"
 
 
 @dataclass(frozen=True)
@@ -52,22 +69,32 @@ class OffloadConfig:
             try:
                 object.__setattr__(self, "prefetch", PrefetchPolicy(self.prefetch))
             except ValueError:
-                raise ValueError(
-                    f"--offload-prefetch={self.prefetch!r} is not a prefetch policy; choose one of: {choices}"
-                ) from None
+                raise SettingError("prefetch", f"must be one of {choices}; got {self.prefetch!r}") from None
         # `not x > 0` rather than `x <= 0`: nan fails every comparison and must be refused too.
         if not _is_number(self.chunk_mb) or not 0 < self.chunk_mb < math.inf:
-            raise ValueError(
-                f"--offload-chunk-mb must be a positive number of MiB (the default is 64), got {self.chunk_mb!r}"
+            raise SettingError(
+                "chunk_mb", f"must be a positive number of MiB (the default is 64), got {self.chunk_mb!r}"
             )
         if self.fraction != AUTO and (not _is_number(self.fraction) or not 0.0 <= self.fraction <= 1.0):
-            raise ValueError(
-                "--offload-fraction must be 'auto' or a number from 0 (offload nothing) to 1 (offload all, "
-                f"the default), got {self.fraction!r}"
+            raise SettingError(
+                "fraction",
+                "must be 'auto' or a number from 0 (offload nothing) to 1 (offload all, the default), "
+                f"got {self.fraction!r}",
             )
         for name in ("offload_master_weights", "pin_memory", "check_host_memory"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"OffloadConfig.{name} must be true or false, got {getattr(self, name)!r}")
+                raise SettingError(name, f"must be true or false, got {getattr(self, name)!r}")
+
+    def with_changes(self, **changes: object) -> OffloadConfig:
+        """A copy with ``changes`` (field names as keywords); an unknown name is a TypeError that lists the
+        fields and the nearest one, where ``dataclasses.replace`` would say only that it is unexpected."""
+        names = [field.name for field in fields(self)]
+        for name in changes:
+            if name not in names:
+                near = difflib.get_close_matches(name, names, n=1)
+                hint = f" (did you mean {near[0]!r}?)" if near else ""
+                raise TypeError(f"{name!r} is not an offload setting{hint}; the settings: {', '.join(names)}")
+        return replace(self, **changes)
 
 
 def _is_number(value: object) -> bool:

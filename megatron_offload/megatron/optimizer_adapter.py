@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import fields, replace
+from dataclasses import fields
 from typing import Any
 
 import torch
@@ -303,7 +303,7 @@ def attach_offloader(optimizer: Any, config: OffloadConfig | None = None, **over
     ChainedOptimizer of them. Keyword overrides are OffloadConfig fields. Returns a handle; call
     ``handle.detach()`` to stop offloading and bring the state back.
     """
-    config = replace(config or OffloadConfig(), **overrides)
+    config = (config or OffloadConfig()).with_changes(**overrides)
     if getattr(optimizer, _HANDLE_ATTR, None) is not None:
         raise RuntimeError("an offloader is already attached to this optimizer; call detach() on it first")
     megatron_core_version = _check_version()

@@ -71,8 +71,9 @@ def distributed_optimizers(optimizer: Any) -> list[Any]:
     found = [opt for inner in getattr(optimizer, "chained_optimizers", []) for opt in distributed_optimizers(inner)]
     if not found:
         raise TypeError(
-            f"--offload-optimizer-states found no megatron-core DistributedOptimizer in {type(optimizer).__name__}; "
-            "build the optimizer with --use-distributed-optimizer (OptimizerConfig(use_distributed_optimizer=True))."
+            f"expected megatron-core's DistributedOptimizer (or a ChainedOptimizer of them), got "
+            f"{type(optimizer).__name__}: build the optimizer with get_megatron_optimizer and "
+            "OptimizerConfig(use_distributed_optimizer=True) (--use-distributed-optimizer in Megatron-LM)."
         )
     return found
 
@@ -92,9 +93,10 @@ def _check_compatible(dist_opt: Any) -> None:
         dist_opt.config, "optimizer_cpu_offload", False
     ):
         raise ValueError(
-            "--offload-optimizer-states cannot be combined with --optimizer-cpu-offload: that runs Adam on the "
-            "CPU (HybridDeviceOptimizer), ours keeps Adam on the GPU and parks its state in host memory. "
-            "Remove one of the two flags."
+            "this optimizer runs Adam on the CPU (megatron-core's HybridDeviceOptimizer, "
+            "OptimizerConfig(optimizer_cpu_offload=True), --optimizer-cpu-offload in Megatron-LM); offloading "
+            "keeps Adam on the GPU and parks its state in host memory. Build the optimizer without "
+            "optimizer_cpu_offload, or do not attach."
         )
 
 

@@ -32,6 +32,7 @@ run from a wheel exits there. When the prebuilt module imports, that compile ste
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import os
 import sys
@@ -40,7 +41,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from megatron_offload.config.files import NO_CUDA, add_switch_inverses, missing_training_message
+from megatron_offload.config.files import NO_CUDA, add_switch_inverses, missing_training_message, parse_error
 from megatron_offload.config.flags import (
     UPSTREAM_FLAG,
     add_offload_args,
@@ -104,15 +105,34 @@ def _stop(message: str) -> NoReturn:
 def state_bytes_per_rank(args: argparse.Namespace) -> int | None:
     """Host bytes the offloaded state will take on this rank (its most loaded shard), from Megatron's own
     parameter count (``theoretical_memory_usage``), which charges a parameter 6 + 12/DP bytes with the
-    distributed optimizer; None where it cannot count this model (the engine checks exactly at attach)."""
+    distributed optimizer; None where it cannot count this model (the engine checks exactly at attach).
+
+    NOTE: this runs in argument validation, before Megatron builds the tokenizer, which is what sets
+    ``padded_vocab_size`` (megatron.core.tokenizers.utils.build_tokenizer); Megatron's count needs it. The
+    count is made on a copy of ``args`` with the vocabulary padded as Megatron will pad ``--vocab-size``
+    (``vocab_size_with_padding``), or, where the size comes from a tokenizer file, with no embedding at all:
+    a lower bound, so the check refuses only a node that is short for certain."""
     try:
         from megatron.training.theoretical_memory_usage import compute_weight_and_optimizer_memory
 
+        counted = copy.copy(args)  # Megatron's count sets fields on what it is given
+        if getattr(counted, "padded_vocab_size", None) is None:
+            counted.padded_vocab_size = _padded_vocab_size(args)
         data_parallel = args.data_parallel_size
-        params = compute_weight_and_optimizer_memory(args) / (6 + 12 / data_parallel)
+        params = compute_weight_and_optimizer_memory(counted) / (6 + 12 / data_parallel)
     except Exception:  # an estimate: a model it cannot count is checked exactly at attach instead
         return None
     return int(params * (12 if getattr(args, "offload_master_weights", True) else 8) / data_parallel)
+
+
+def _padded_vocab_size(args: argparse.Namespace) -> int:
+    """``--vocab-size`` padded as Megatron pads it (a multiple of ``make_vocab_size_divisible_by`` times the
+    tensor-parallel size); 0 where the size will come from a tokenizer's files."""
+    vocab = getattr(args, "vocab_size", None)
+    if not vocab:
+        return 0
+    multiple = getattr(args, "make_vocab_size_divisible_by", 128) * getattr(args, "tensor_model_parallel_size", 1)
+    return -(-int(vocab) // multiple) * multiple
 
 
 def host_bytes_per_rank(args: argparse.Namespace) -> int | None:
@@ -142,6 +162,9 @@ def _one_line_errors(parser: argparse.ArgumentParser) -> None:
     """A parse error as argparse's last line only: Megatron's usage text runs to hundreds of lines."""
 
     def error(message: str) -> NoReturn:
+        from_file = parse_error(message)  # a value a --config file gave: the file and key, what to give
+        if from_file:
+            _stop(f"megatron-offload: {from_file}")
         _stop(f"{parser.prog}: error: {message} (--help lists the flags)")
 
     parser.error = error  # type: ignore[method-assign]
@@ -240,7 +263,10 @@ def install_training_hooks() -> None:
             _print_once(fix_note)
         megatron_args = global_vars.get_args()
         if offload_requested(megatron_args):
-            handle = attach_offloader(optimizer, config_from_args(megatron_args))
+            try:
+                handle = attach_offloader(optimizer, config_from_args(megatron_args))
+            except HostMemoryError as error:  # the host, not the code: one line (attach undid itself)
+                _stop(f"megatron-offload: {error}")
             handle.say = _print_once  # what `--offload-fraction auto` chose, on the first rank
             _handles.append(handle)
         return optimizer

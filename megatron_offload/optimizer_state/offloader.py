@@ -31,9 +31,9 @@ DEFAULT_CHUNK_BYTES = 64 * MIB
 class OptimizerStateOffloader(PlannedState, ChunkCopies):
     """Keeps an optimizer's tensor state (and given master weights) in host memory between steps.
 
-    Lifecycle per iteration: ``offload(now=False)`` queues the state out after the step; ``pump()`` at
-    the training loop's points moves it; ``prefetch(max_bytes)`` queues it back as memory allows;
-    ``streamed_step.run`` steps chunk by chunk, streaming whatever is not back yet.
+    Lifecycle per iteration: ``offload(now=False)`` queues the state out after the step;
+    ``copies.pump()`` at the training loop's points moves it; ``prefetch(max_bytes)`` queues it back as
+    memory allows; ``streamed_step.run`` steps chunk by chunk, streaming whatever is not back yet.
 
     NOTE: tensor objects are never replaced, only what they hold; a host copy is whole once its copy
     has landed (``copies.drain()`` before reading it on the CPU).
@@ -62,10 +62,10 @@ class OptimizerStateOffloader(PlannedState, ChunkCopies):
                     f"(shape {tuple(tensor.shape)}, storage of {tensor.untyped_storage().nbytes()} bytes); "
                     "freeing it would free memory others use. Pass only tensors with storage of their own."
                 )
-        if chunk_bytes <= 0:
-            raise ValueError(f"--offload-chunk-mb must be positive, got {chunk_bytes / MIB:g} MB")
+        if not chunk_bytes > 0:
+            raise ValueError(f"OptimizerStateOffloader: chunk_bytes must be positive, got {chunk_bytes}")
         if not 0.0 <= fraction <= 1.0:
-            raise ValueError(f"--offload-fraction must be between 0 and 1, got {fraction}")
+            raise ValueError(f"OptimizerStateOffloader: fraction must be from 0 to 1, got {fraction}")
         self.optimizer = optimizer
         self.master_weights = list(master_weights)
         self.keep_state_keys = frozenset(keep_state_keys)

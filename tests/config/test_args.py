@@ -71,8 +71,8 @@ def test_unknown_prefetch_policy_is_rejected_by_the_parser() -> None:
         add_offload_args(argparse.ArgumentParser()).parse_args(["--offload-prefetch", "never"])
 
 
-def test_config_names_the_flag_for_a_bad_policy() -> None:
-    with pytest.raises(ValueError, match="--offload-prefetch='never'.*finalize, step"):
+def test_the_python_api_names_the_field_for_a_bad_policy() -> None:
+    with pytest.raises(ValueError, match=r"^OffloadConfig.prefetch must be one of auto, finalize, step; got 'never'$"):
         OffloadConfig(prefetch="never")
     assert OffloadConfig(prefetch="step").prefetch is PrefetchPolicy.STEP
 
@@ -168,18 +168,26 @@ def test_validation_rejects_bad_values_before_anything_is_built(flag: str, value
         validate_offload_args(parsed(flag, value))
 
 
-def test_the_python_api_and_the_flags_give_the_same_message() -> None:
+def test_the_python_api_and_the_flags_say_the_same_each_in_its_own_names() -> None:
     for field, flag, value in (("chunk_mb", "--offload-chunk-mb", 0.0), ("fraction", "--offload-fraction", 1.5)):
         with pytest.raises(ValueError) as from_api:
             OffloadConfig(**{field: value})
         with pytest.raises(ValueError) as from_flags:
             validate_offload_args(parsed(flag, str(value)))
-        assert str(from_api.value) == str(from_flags.value)
+        assert str(from_api.value).startswith(f"OffloadConfig.{field} must be ") and flag not in str(from_api.value)
+        assert str(from_flags.value) == str(from_api.value).replace(f"OffloadConfig.{field}", flag)
+
+
+def test_an_unknown_setting_is_named_with_the_nearest_one() -> None:
+    with pytest.raises(TypeError) as error:
+        OffloadConfig().with_changes(chunkmb=32)
+    assert str(error.value).startswith("'chunkmb' is not an offload setting (did you mean 'chunk_mb'?); the settings: ")
+    assert OffloadConfig().with_changes(chunk_mb=32) == OffloadConfig(chunk_mb=32)
 
 
 @pytest.mark.parametrize("value", ["64", True, None, [1]])
 def test_the_python_api_refuses_values_of_the_wrong_type(value: object) -> None:
-    with pytest.raises(ValueError, match="--offload-chunk-mb must be a positive number"):
+    with pytest.raises(ValueError, match="^OffloadConfig.chunk_mb must be a positive number"):
         OffloadConfig(chunk_mb=value)
     with pytest.raises(ValueError, match="OffloadConfig.pin_memory must be true or false"):
         OffloadConfig(pin_memory="yes")
@@ -200,7 +208,7 @@ def test_the_cap_is_checked_with_offloading_off_too() -> None:
         ("offload-fraction: 1.5", "--offload-fraction must be 'auto' or a number from 0"),
         ("offload-fraction: half", "argument --offload-fraction: expected 'auto' or a number from 0 to 1, got 'half'"),
         ("offload-chunk-mb: -4", "--offload-chunk-mb must be a positive number"),
-        ("offload-chunk-mb: abc", "argument --offload-chunk-mb: invalid float value: 'abc'"),
+        ("offload-chunk-mb: abc", "argument --offload-chunk-mb: expected a number of MiB, such as 64 (the default)"),
         ("offload-chunk-mb: true", "argument --offload-chunk-mb: expected one argument"),
     ],
 )
@@ -263,7 +271,8 @@ def test_a_bad_fraction_word_is_one_line_naming_the_flag_and_the_choices(capsys:
 def test_the_python_api_refuses_a_fraction_that_is_neither_auto_nor_in_range(value: object) -> None:
     with pytest.raises(ValueError) as error:
         OffloadConfig(fraction=value)
-    assert str(error.value) == FRACTION_MESSAGE.format(repr(value))
+    expected = FRACTION_MESSAGE.format(repr(value)).replace("--offload-fraction", "OffloadConfig.fraction")
+    assert str(error.value) == expected
 
 
 @pytest.mark.parametrize(
@@ -309,3 +318,4 @@ def test_offload_flags_without_the_switch_are_listed_as_ignored() -> None:
     assert ignored_offload_flags(args) == ["--no-offload-master-weights", "--offload-prefetch", "--offload-fraction"]
     args = parser.parse_args(["--offload-optimizer-states", "--offload-fraction", "0.5"])
     assert ignored_offload_flags(args) == []
+

@@ -7,10 +7,14 @@ tests/gpu/host_memory_drill.py.
 
 from __future__ import annotations
 
+import faulthandler
 import mmap
 import os
 import signal
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,9 +80,25 @@ def test_a_forked_child_gets_none_of_a_slab() -> None:
     pid = os.fork()
     if pid == 0:  # the child: touching the slab must fault
         try:
+            # The fault is the point: no "Fatal Python error" dump of it (pytest turns faulthandler on).
+            faulthandler.disable()
             os._exit(int(slab.tensor[4096].item()))
         finally:
             os._exit(3)
     _, status = os.waitpid(pid, 0)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGSEGV, status
     assert int(slab.tensor[4096]) == 7  # the parent keeps it
+
+
+def test_the_forked_child_faults_without_a_dump() -> None:
+    """The test above, in a pytest of its own, prints no fatal-error dump: a newcomer would read one as
+    the suite crashing."""
+    test = f"{Path(__file__).resolve()}::test_a_forked_child_gets_none_of_a_slab"
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "Fatal Python error" not in run.stdout + run.stderr

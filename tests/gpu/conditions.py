@@ -1,9 +1,9 @@
 """GPT training under conditions that hold for a whole process, run in a process of its own by
 test_conditions.py: a GPU memory cap, and ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (read when CUDA starts).
 
-    python tests/gpu/conditions.py cap      # the cap: no offload must fail, every policy must fit
-    python tests/gpu/conditions.py fraction # a cap of the no-offload peak less half the state: auto keeps some
-    CUDA_DEVICE_MAX_CONNECTIONS=1 python tests/gpu/conditions.py parity
+    python -m tests.gpu.conditions cap      # the cap: no offload must fail, every policy must fit
+    python -m tests.gpu.conditions fraction # a cap of the no-offload peak less half the state: auto keeps some
+    CUDA_DEVICE_MAX_CONNECTIONS=1 python -m tests.gpu.conditions parity
 
 The allocator keeps its defaults (no PYTORCH_CUDA_ALLOC_CONF), as for a user of the library API who
 comes through no launcher of ours. Prints one JSON line: what each run measured, for the test to judge.
@@ -14,15 +14,12 @@ from __future__ import annotations
 import gc
 import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import torch
 
-import torch  # noqa: E402
-
-from megatron_offload import attach_offloader  # noqa: E402
-from megatron_offload.core.units import SAVING_SHARE, cap_below_peak  # noqa: E402
-from tests.gpu.harness import GPTShape, build_gpt_training, init_distributed, state_bytes  # noqa: E402
+from megatron_offload import attach_offloader
+from megatron_offload.core.units import SAVING_SHARE, cap_below_peak
+from tests.gpu.harness import GPTShape, build_gpt_training, init_distributed, state_bytes
 
 # Activations of a micro-batch (~1.5 GiB) well above the state (~0.9 GiB), as in pretraining.
 SHAPE = GPTShape(

@@ -1,5 +1,5 @@
 """scripts/pretrain_gpt.py (Megatron-LM's own loop, with offloading), killed with SIGKILL at a chosen
-moment: the crash entries of scripts/integration.py run it, then resume from what it saved.
+moment: the crash entries of tests/drills/integration.py run it, then resume from what it saved.
 
     OFFLOAD_CRASH_AT=after-step|backward|checkpoint OFFLOAD_CRASH_ITERATION=13 \\
         torchrun --standalone --nproc-per-node 1 tests/gpu/crash_driver.py --config configs/tiny.yaml ...
@@ -13,22 +13,24 @@ moment: the crash entries of scripts/integration.py run it, then resume from wha
   file of it was written and before its metadata and ``latest_checkpointed_iteration.txt``.
 Each kill point has a Megatron-level form that needs no offloader (the optimizer's step, a hook on the
 model, the checkpoint writer), so the same kill can be made in a run without offloading: the control
-that tells megatron-core's own resume differences from ours (scripts/crash_verdict.py). Without
+that tells megatron-core's own resume differences from ours (tests/drills/crash_verdict.py). Without
 ``OFFLOAD_CRASH_AT`` it is pretrain_gpt.py unchanged. Every wrap is made here, on instances and on
 Megatron's classes, never in library code. Before the kill one line starting with ``CRASH_MARKER`` says
 where it happened and through which hook.
 """
 
 import os
+import runpy
 import signal
 import sys
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+# The script as users run it, its functions kept: running it expands --config in sys.argv (and makes this
+# checkout's megatron_offload importable where it is not installed).
+PRETRAIN_GPT = runpy.run_path(str(ROOT / "scripts" / "pretrain_gpt.py"))
 
-import pretrain_gpt  # noqa: E402  (expands --config in sys.argv)
 import torch  # noqa: E402
 from megatron.training import training  # noqa: E402
 
@@ -143,7 +145,7 @@ def main() -> None:
     training.get_megatron_optimizer = get_optimizer_and_arm
     if MODE == "checkpoint":
         wrap_checkpoint_writer()
-    pretrain_gpt.main()
+    PRETRAIN_GPT["main"]()
     if MODE is not None:
         print(f"megatron-offload crash drill: iteration {ITERATION} never reached the {MODE} kill", flush=True)
         sys.exit(3)

@@ -1,7 +1,7 @@
 """Host-memory drills on a GPU machine (the CPU suite runs their library side in tests/test_host_memory.py):
 
-    python tests/gpu/host_memory_drill.py --out results/host-memory     # exit 0 when every case passed
-    python tests/gpu/host_memory_drill.py --out DIR --only short-at-start   # one drill (or named cases)
+    python -m tests.gpu.host_memory_drill --out results/host-memory     # exit 0 when every case passed
+    python -m tests.gpu.host_memory_drill --out DIR --only short-at-start   # one drill (or named cases)
 
 The drills (host_memory_verdicts.DRILLS): ``short-at-start`` (cases 3, 5), ``short-while-pinning`` (1, 2,
 4), ``short-during-save`` (6). ``DIR/host-memory.json`` holds each case (whether it passed, its failures,
@@ -21,7 +21,7 @@ Through the library API, in one child (``--api``; tests/gpu/harness.py's bf16 GP
    space capped at what it holds, RLIMIT_AS, around ``attach_offloader`` only): a HostMemoryError, and
    nothing half set up: no wrapper, hook or attribute left on the optimizer and model, the fp32 masters
    untouched, a second attach works, and training then matches training without offloading bitwise.
-In Megatron-LM's loop (scripts/pretrain_gpt.py, configs/tiny.yaml; each case this file again under torchrun
+In Megatron-LM's loop (scripts/pretrain_gpt.py, configs/tiny.yaml; each case this module again under torchrun
 with ``--megatron CASE``, which makes the change on module attributes, never in library code):
 4. ``pin-refused-megatron``: the same refusal; the run completes, its log carries the warning.
 5. ``node-too-small``: the real MemAvailable, as if 4096 ranks shared this node: refused before the model
@@ -33,7 +33,14 @@ with ``--megatron CASE``, which makes the change on module attributes, never in 
    iteration 10 stages its tensors with the address space capped at what the process holds (a real
    refusal of the C allocator). The run ends with that error; the checkpoint of iteration 5 is complete,
    the tracker names it, the save cut short is incomplete and is not what a new run loads, and that run,
-   resumed from iteration 5, repeats iterations 6-10 with the same grad norms and losses.
+   resumed from iteration 5, repeats iterations 6-10 with the same grad norms and losses, bitwise as
+   logged, but for what the control shows too: the same two runs without offloading (as the crash
+   drills have), sorted by crash_verdict.judge. Megatron-LM's log has one such difference: the loss it
+   logs at the second iteration of every process is the mean of the process's first two iterations
+   (``training_log`` in megatron/training/training.py, megatron-core 0.19.2: ``should_reset = not
+   is_first_iteration`` keeps the loss sums of a process's first iteration), so the resumed run logs
+   iteration 7 as the mean of 6 and 7 where the refused run logged 7 alone. No Megatron setting changes
+   it (``--log-interval 1`` logs every iteration; a longer interval only hides the per-iteration values).
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ import json
 import os
 import re
 import resource
+import runpy
 import shutil
 import sys
 import tempfile
@@ -56,18 +64,17 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from benchmarks.memory_report import last_error_line
+from tests.drills import drill_checkpoints, drill_runs
+from tests.drills.crash_verdict import Verdict, judge, logged_differences
+from tests.gpu.host_memory_verdicts import API_CASES, add_verdicts, lines, one_line, select
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
-
-import drill_checkpoints  # noqa: E402  (scripts/: the checkpoint readers)
-import drill_runs  # noqa: E402  (scripts/: the bounded runner)
-from memory_report import last_error_line  # noqa: E402
-
-from tests.gpu.host_memory_verdicts import API_CASES, add_verdicts, lines, one_line, select  # noqa: E402
 
 TINY = ["--config", "configs/tiny.yaml", "--offload-optimizer-states"]
 RANKS = 4096  # node-too-small: the real MemAvailable, shared as if by this many ranks
 SAVE_INTERVAL, SHORT_AT = 5, 10  # host-short-during-save: saves at 5 and 10, the one at 10 refused
+SHORT_RUNS = ["during-save", "resumed", "during-save-control", "resumed-control"]  # host-short-during-save's
 RUN_BOUND_S, API_BOUND_S = 150.0, 300.0
 STEPS = 3  # API cases: iterations trained after attach, compared bitwise with no offloading
 DRILL_LINE = "megatron-offload host-memory drill:"
@@ -363,16 +370,17 @@ def run_in_megatron(name: str) -> None:
         host_memory._pin = refuse_pinning
     elif name.startswith("node-too-small"):
         host_memory.ranks_on_this_node = lambda: RANKS  # the real MemAvailable, shared as if by RANKS ranks
-    elif name == "host-short-during-save":
+    elif name.startswith("host-short-during-save"):  # with offloading, and its control without
         refuse_host_memory_at_save(SHORT_AT // SAVE_INTERVAL)
-    import pretrain_gpt  # expands --config in sys.argv
-
-    pretrain_gpt.main()
+    runpy.run_path(str(ROOT / "scripts" / "pretrain_gpt.py"))["main"]()  # as users run it: --config expanded
 
 
-def megatron_run(name: str, args: list[str], out: Path) -> tuple[drill_runs.Outcome, list[str]]:
+def megatron_run(
+    name: str, args: list[str], out: Path, offload: bool = True
+) -> tuple[drill_runs.Outcome, list[str]]:
     """One bounded torchrun of this file with ``--megatron NAME``: how it ended, and a failure if stopped."""
-    command = [*drill_runs.torchrun(1), "tests/gpu/host_memory_drill.py", "--megatron", name, *TINY, *args]
+    tiny = TINY if offload else [arg for arg in TINY if arg != "--offload-optimizer-states"]
+    command = [*drill_runs.torchrun(1), "-m", "tests.gpu.host_memory_drill", "--megatron", name, *tiny, *args]
     outcome = drill_runs.run_bounded(command, out / f"host-memory-{name}.log", bound_s=RUN_BOUND_S, cwd=ROOT)
     print(f"[{name}] {'stopped: ' + outcome.stopped if outcome.stopped else f'exit {outcome.returncode}'}", flush=True)
     return outcome, [drill_runs.verdict(name, outcome)] if outcome.stopped else []
@@ -438,19 +446,25 @@ def node_too_small_check_off(out: Path) -> tuple[list[str], str, dict]:
     return failures, "", intact
 
 
-def host_short_during_save(out: Path, scratch: Path) -> tuple[list[str], str, dict]:
-    save = scratch / "host-short"
+def refused_then_resumed(
+    out: Path, scratch: Path, offload: bool
+) -> tuple[list[str], drill_runs.Outcome, drill_runs.Outcome, dict[str, Any]]:
+    """The run whose save of iteration 10 is refused, then a new run resumed from what it left: the
+    failures of their own checks (refusal, tracker, cut-short save, what the resume loaded), both runs,
+    and what was checked."""
+    side = "" if offload else "-control"
+    save = scratch / f"host-short{side}"
     ckpt = ["--ckpt-format", "torch_dist", "--train-iters", str(SHORT_AT)]
     args = [*ckpt, "--save", str(save), "--save-interval", str(SAVE_INTERVAL)]
-    outcome, failures = megatron_run("host-short-during-save", args, out)
-    text = outcome.text
+    refused, failures = megatron_run(f"host-short-during-save{side}", args, out, offload)
+    text = refused.text
     last = SHORT_AT - SAVE_INTERVAL
     intact: dict[str, Any] = {
         "tracker": drill_checkpoints.last_complete_iteration(save),
         "tracked_save_complete": drill_checkpoints.is_complete(save / f"iter_{last:07d}"),
         "cut_short": drill_checkpoints.cut_short(save),
     }
-    if not failures and outcome.returncode == 0:
+    if not failures and refused.returncode == 0:
         failures.append("the run ended well: the host's refusal was not provoked")
     if HOST_REFUSED not in text:
         failures.append(f"no {HOST_REFUSED!r} in the log")
@@ -460,21 +474,42 @@ def host_short_during_save(out: Path, scratch: Path) -> tuple[list[str], str, di
         failures.append(f"the tracker names {intact['tracker']}, not the complete save of iteration {last}")
     if (save / f"iter_{SHORT_AT:07d}").exists() and f"iter_{SHORT_AT:07d}" not in intact["cut_short"]:
         failures.append(f"the refused save of iteration {SHORT_AT} looks complete")
-    resumed, resume_failures = megatron_run("host-short-resumed", [*ckpt, "--load", str(save)], out)
+    resumed, resume_failures = megatron_run(f"host-short-resumed{side}", [*ckpt, "--load", str(save)], out, offload)
     failures += resume_failures
     intact["resumed_loaded"] = [
         int(i) for i in re.findall(r"successfully loaded checkpoint .* at iteration (\d+)", resumed.text)
     ]
     if intact["resumed_loaded"] != [last]:
         failures.append(f"the resumed run loaded {intact['resumed_loaded']}, not iteration {last}")
-    before, after = (drill_checkpoints.losses_and_grad_norms(t) for t in (text, resumed.text))
-    wanted = list(range(last + 1, SHORT_AT + 1))
-    same_norms = sorted(after) == wanted and all(before.get(i, (0, 0))[1] == after[i][1] for i in wanted)
-    same_losses = all(before.get(i, (0, 0))[0] == after.get(i, (1, 1))[0] for i in wanted[1:])
-    intact["resumed_grad_norms_equal"], intact["resumed_losses_equal"] = same_norms, same_losses
-    if not same_norms or not same_losses:
-        failures.append(f"resumed iterations {wanted} differ from the run that was refused: {after} vs {before}")
-    return failures, line_with(text, HOST_REFUSED), intact
+    logged = sorted(drill_checkpoints.losses_and_grad_norms(resumed.text))
+    if logged != RESUMED:
+        failures.append(f"the resumed run logged iterations {logged}, not {RESUMED}")
+    return [f"{f} (without offloading)" if not offload else f for f in failures], refused, resumed, intact
+
+
+RESUMED = list(range(SHORT_AT - SAVE_INTERVAL + 1, SHORT_AT + 1))  # the iterations the resumed run repeats
+
+
+def resume_verdict(ours: tuple[str, str], control: tuple[str, str] | None) -> Verdict:
+    """The resumed run's logged losses and grad norms against the refused run's, bitwise as printed, each
+    difference sorted by the control's (the same two runs without offloading; None: none to ask)."""
+    differences = logged_differences(*ours, RESUMED)
+    return judge(differences, None if control is None else logged_differences(*control, RESUMED))
+
+
+def host_short_during_save(out: Path, scratch: Path) -> tuple[list[str], str, dict]:
+    failures, refused, resumed, intact = refused_then_resumed(out, scratch, offload=True)
+    control_failures, control_refused, control_resumed, intact["control"] = refused_then_resumed(
+        out, scratch, offload=False
+    )
+    # A control that did not refuse and resume as asked cannot tell whose a difference is.
+    control = None if control_failures else (control_refused.text, control_resumed.text)
+    verdict = resume_verdict((refused.text, resumed.text), control)
+    intact["resume"] = verdict.status
+    intact["megatron_core_differences"] = verdict.megatron_core
+    intact["control_only_differences"] = verdict.control_only
+    intact["control_failures"] = control_failures
+    return failures + verdict.failures, line_with(refused.text, HOST_REFUSED), intact
 
 
 def main() -> int:
@@ -505,7 +540,7 @@ def main() -> int:
         "node-too-small-check-off": lambda: node_too_small_check_off(args.out),
         "host-short-during-save": lambda: host_short_during_save(args.out, scratch),
     }
-    logs = {"host-short-during-save": "host-memory-host-short-during-save.log, host-memory-host-short-resumed.log"}
+    logs = {"host-short-during-save": ", ".join(f"host-memory-host-short-{run}.log" for run in SHORT_RUNS)}
     scratch = Path(tempfile.mkdtemp(prefix="offload-host-memory-"))
     try:
         # Written before and after every case, so a drill cut short by a time limit keeps what it finished.
@@ -527,7 +562,7 @@ def run_api_cases(out: Path, cases: list[str]) -> dict[str, Any]:
     """The API cases in one bounded child: its report, or one failing case per case asked for."""
     api_json = out / "host-memory-api.json"
     api_json.unlink(missing_ok=True)
-    command = [sys.executable, "tests/gpu/host_memory_drill.py", "--api", str(api_json.resolve()), *cases]
+    command = [sys.executable, "-m", "tests.gpu.host_memory_drill", "--api", str(api_json.resolve()), *cases]
     api = drill_runs.run_bounded(command, out / "host-memory-api.log", bound_s=API_BOUND_S, cwd=ROOT)
     if api_json.exists():
         report = json.loads(api_json.read_text())

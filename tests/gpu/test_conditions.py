@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def run_conditions(mode: str, **env: str) -> dict:
     result = subprocess.run(
-        [sys.executable, "tests/gpu/conditions.py", mode],
+        [sys.executable, "-m", "tests.gpu.conditions", mode],
         cwd=ROOT,
         # The allocator's defaults, as for a user of the library API (no launcher of ours set them).
         env={

@@ -77,3 +77,16 @@ def test_the_fix_is_applied_once() -> None:
     wrapped = dist_opt.state_dict
     fix_torch_adam_checkpoints(dist_opt)
     assert dist_opt.state_dict is wrapped
+
+
+def test_the_python_api_answers_in_its_own_names() -> None:
+    from megatron_offload import attach_offloader, sleep_wake_for
+
+    with pytest.raises(TypeError, match=r"^'chunkmb' is not an offload setting \(did you mean 'chunk_mb'\?\)"):
+        attach_offloader(object(), chunkmb=32)
+    adam = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))])
+    for call in (attach_offloader, sleep_wake_for):
+        with pytest.raises(TypeError) as error:
+            call(adam)
+        assert str(error.value).startswith("expected megatron-core's DistributedOptimizer (or a ChainedOptimizer")
+        assert "got Adam" in str(error.value) and "--offload" not in str(error.value)

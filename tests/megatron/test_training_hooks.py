@@ -37,6 +37,9 @@ def fake_megatron_training() -> types.ModuleType:
         if args.optimizer_cpu_offload:
             assert args.use_precision_aware_optimizer, "The optimizer cpu offload must be used in conjunction..."
         print(MEGATRON_DUMP)
+        # configs/tiny.yaml's model as validation leaves it: no padded_vocab_size (the tokenizer sets it later)
+        vars(args).update(num_layers=4, hidden_size=512, data_parallel_size=1, vocab_size=32000)
+        args.make_vocab_size_divisible_by = 128
         return args
 
     arguments.parse_args, arguments.validate_args = parse_args, validate_args
@@ -155,7 +158,7 @@ def test_the_launcher_names_a_bad_config_in_one_line(capsys: pytest.CaptureFixtu
     (tmp_path / "bad.yaml").write_text("lr: [1\n")
     assert run.main([str(script), "--config", str(tmp_path / "bad.yaml")]) == 2
     (line,) = capsys.readouterr().err.splitlines()
-    assert line.startswith(f"megatron_offload.run: --config {tmp_path / 'bad.yaml'}: not valid YAML at line 2")
+    assert line.startswith(f"megatron-offload: --config {tmp_path / 'bad.yaml'}: not valid YAML at line 2")
 
 
 def test_the_launcher_help_lists_the_offload_flags(capsys: pytest.CaptureFixture[str]) -> None:
@@ -201,3 +204,114 @@ def test_the_state_on_a_rank_is_counted_from_megatrons_own_estimate(monkeypatch:
     args.offload_master_weights = False
     assert megatron_training.state_bytes_per_rank(args) == 4 * 10**9
     assert megatron_training.state_bytes_per_rank(argparse.Namespace()) is None  # cannot count: no check here
+
+
+def megatrons_count(args: argparse.Namespace) -> float:
+    """As megatron.training.theoretical_memory_usage counts (0.19.2): it reads ``padded_vocab_size``,
+    which Megatron sets only when it builds the tokenizer, after argument validation."""
+    embedding = args.hidden_size * args.padded_vocab_size
+    return (12 * args.hidden_size**2 * args.num_layers + embedding) * (6 + 12 / args.data_parallel_size)
+
+
+def test_the_state_is_counted_before_the_tokenizer_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    estimate = types.ModuleType("megatron.training.theoretical_memory_usage")
+    estimate.compute_weight_and_optimizer_memory = megatrons_count
+    monkeypatch.setitem(sys.modules, "megatron.training.theoretical_memory_usage", estimate)
+    args = argparse.Namespace(  # configs/tiny.yaml as validation leaves it: no padded_vocab_size yet
+        num_layers=4, hidden_size=512, data_parallel_size=1, vocab_size=32000, make_vocab_size_divisible_by=128
+    )
+    params = 12 * 512**2 * 4 + 512 * 32000  # 32000 is a multiple of 128 already
+    assert megatron_training.state_bytes_per_rank(args) == 12 * params
+    assert not hasattr(args, "padded_vocab_size")  # counted on a copy: Megatron still pads it itself
+    args.vocab_size = 32001
+    assert megatron_training.state_bytes_per_rank(args) == 12 * (params + 512 * 128)  # padded to 32128
+    del args.vocab_size  # a tokenizer's files will tell: the transformer layers alone, a lower bound
+    assert megatron_training.state_bytes_per_rank(args) == 12 * 12 * 512**2 * 4
+
+
+def test_a_node_too_small_is_refused_in_validation_before_the_tokenizer_exists(
+    megatron: types.ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The GPU drill's node-too-small case on the CPU: Megatron's count as it reads the arguments (no
+    padded vocabulary yet), the node's memory shared as if by 4096 ranks: one line, in validation."""
+    from megatron_offload.core import host_memory
+
+    estimate = types.ModuleType("megatron.training.theoretical_memory_usage")
+    estimate.compute_weight_and_optimizer_memory = megatrons_count
+    monkeypatch.setitem(sys.modules, "megatron.training.theoretical_memory_usage", estimate)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(host_memory, "ranks_on_this_node", lambda: 4096)
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 100 * 2**30)
+    with pytest.raises(SystemExit) as exit_:
+        parse_and_validate(megatron, monkeypatch, "--offload-optimizer-states", "--use-distributed-optimizer")
+    (line,) = capsys.readouterr().err.splitlines()
+    assert exit_.value.code == 2
+    assert line.startswith("megatron-offload: --offload-optimizer-states needs 0.32 GiB of host memory per rank x 4096")
+
+
+@pytest.mark.parametrize(
+    ("yaml_line", "problem"),
+    [
+        ("use-distributed-optimizer: 3", "--use-distributed-optimizer is an on/off switch: give true or false, not 3"),
+        ("offload-chunk-mb: big", "expected a number of MiB, such as 64 (the default), got 'big'"),
+        ("offload-chunk-mb: true", "needs a value; true and false are for on/off switches"),
+    ],
+)
+def test_a_bad_value_in_a_config_file_names_the_file_and_the_key(
+    megatron: types.ModuleType,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    yaml_line: str,
+    problem: str,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    config = tmp_path / "run.yaml"
+    config.write_text(f"{yaml_line}\n")
+    key = yaml_line.split(":")[0]
+    # In Megatron's own parser (our script, or the launcher's run of a script) ...
+    with pytest.raises(SystemExit):
+        parse_and_validate(megatron, monkeypatch, *expand_config_argv(["--config", str(config)]))
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == f"megatron-offload: --config {config}, key {key}: {problem}"
+    # ... and in the launcher's check, before any script runs.
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('the script must not run')\n")
+    assert run.main([str(script), "--config", str(config)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == f"megatron-offload: --config {config}, key {key}: {problem}"
+
+
+def test_the_same_flag_on_the_command_line_is_named_as_argparse_names_it(
+    megatron: types.ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    config = tmp_path / "run.yaml"
+    config.write_text("offload-chunk-mb: 32\n")
+    with pytest.raises(SystemExit):
+        argv = expand_config_argv(["--config", str(config), "--offload-gpu-memory-cap-gib", "abc"])
+        parse_and_validate(megatron, monkeypatch, *argv)
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (
+        "pretrain_gpt.py: error: argument --offload-gpu-memory-cap-gib: expected a number of GiB, the GPU memory "
+        "to imitate, such as 20, got 'abc' (--help lists the flags)"
+    )
+
+
+def test_a_host_that_refuses_the_state_at_attach_is_one_line(
+    megatron: types.ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Where the estimate in validation could not count the model, the engine's exact check at attach
+    refuses: the same one line, not a traceback."""
+    from megatron_offload import HostMemoryError
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise HostMemoryError("--offload-optimizer-states needs 9.00 GiB of host memory per rank x 8 rank(s)")
+
+    monkeypatch.setattr(megatron_training, "attach_offloader", refuse)
+    monkeypatch.setattr(megatron_training, "fix_torch_adam_checkpoints", lambda optimizer: None)
+    megatron.global_vars.get_args = lambda: argparse.Namespace(offload_optimizer_states=True)
+    with pytest.raises(SystemExit) as exit_:
+        megatron.training.get_megatron_optimizer(None, [])
+    (line,) = capsys.readouterr().err.splitlines()
+    assert exit_.value.code == 2 and line.startswith("megatron-offload: --offload-optimizer-states needs 9.00 GiB")

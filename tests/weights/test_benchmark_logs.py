@@ -3,12 +3,7 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-from weight_streaming import log_figures  # noqa: E402
+from benchmarks.weight_streaming import log_figures
 
 LOG = """
  [2026-11-25] iteration        1/      10 | elapsed time per iteration (ms): 9000.0 | weights in/out per iter (GiB): 9.00/4.00 | weights exposed (ms): 50.0 | host-mapped (GiB): 12.00 |

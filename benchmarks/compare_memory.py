@@ -5,9 +5,9 @@ The runs: ``baseline`` (no offloading), ``offload`` (--offload-optimizer-states)
 Each log is parsed per iteration; the offload run's saving is compared with the optimizer state the
 model's size implies, and the figures are judged against configs/nightly_thresholds.yaml.
 
-    python scripts/compare_memory.py --config configs/nightly_memory.yaml --out DIR [--gpus N] [--iters N] \\
+    python -m benchmarks.compare_memory --config configs/nightly_memory.yaml --out DIR [--gpus N] [--iters N] \\
         [--thresholds FILE] [-- EXTRA MEGATRON ARGS]
-    python scripts/compare_memory.py --from-logs DIR      # re-parse DIR/<run>.log (+ snapshots), rewrite the report
+    python -m benchmarks.compare_memory --from-logs DIR      # re-parse DIR/<run>.log (+ snapshots), rewrite the report
 
 Writes DIR/report.json, report.md, peak_memory.png and memory_timeline.png, and DIR/thresholds_reached.yaml:
 the thresholds file set from what this run reached (REACHED_* below say how much room each gets), to copy
@@ -32,8 +32,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from memory_plots import plot_peak_memory, plot_timeline, timelines
-from memory_report import (
+from benchmarks.memory_plots import plot_peak_memory, plot_timeline, timelines
+from benchmarks.memory_report import (
     ThresholdsError,
     config_of,
     evaluate,
@@ -145,7 +145,6 @@ class RunProgress:
 def run_one(name: str, command: list[str], args: argparse.Namespace, progress: RunProgress) -> int:
     """Run one configuration, streaming its output to DIR/<name>.log; its exit status."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0"}
-    sys.path.insert(0, str(ROOT))
     from megatron_offload.config.files import needs_one_connection
 
     if needs_one_connection(command):
@@ -286,7 +285,7 @@ def thresholds_reached(report: dict[str, Any]) -> str | None:
     equal = next((c["passed"] for c in report.get("checks", []) if c["name"] == "losses_equal"), True)
     return "\n".join(
         [
-            "# Thresholds from what one run reached (scripts/compare_memory.py, REACHED_* room):",
+            "# Thresholds from what one run reached (benchmarks/compare_memory.py, REACHED_* room):",
             f"# {report['environment'].get('device')}, commit {report['environment'].get('commit')}",
             f"# {report['generated']}",
             f"# reached: saving fraction {fraction:.3f}, peak saving {peak:.2f} GiB, step overhead {overhead:+.1%}",

@@ -1,4 +1,4 @@
-"""The crash entries of scripts/integration.py: a run with offloading killed with SIGKILL at a chosen
+"""The crash entries of tests/drills/integration.py: a run with offloading killed with SIGKILL at a chosen
 moment (tests/gpu/crash_driver.py), then a new process that loads the last complete checkpoint and runs
 on; compared bitwise with an uninterrupted run of the same flags, beside a control: the same kill at the
 same point in a run without offloading, resumed the same way (crash_verdict.py says how the two are read).
@@ -30,10 +30,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from crash_checks import SAVE_INTERVAL, TRAIN_ITERS, check, killed_run_watch
-from crash_verdict import Differences, Verdict, checkpoint_differences, judge, logged_differences
-from drill_checkpoints import cut_short, fingerprints, is_complete, last_complete_iteration
-from drill_runs import Bounds, Watch, kill_live_runs, run_bounded, verdict
+from tests.drills.crash_checks import SAVE_INTERVAL, TRAIN_ITERS, check, killed_run_watch
+from tests.drills.crash_verdict import Differences, Verdict, checkpoint_differences, judge, logged_differences
+from tests.drills.drill_checkpoints import cut_short, fingerprints, is_complete, last_complete_iteration
+from tests.drills.drill_runs import Bounds, Watch, kill_live_runs, run_bounded, verdict
 
 CRASH_DRIVER = "tests/gpu/crash_driver.py"
 KILL_AT = {"after-step": 13, "backward": 13, "checkpoint": 15}  # the iteration of each kill

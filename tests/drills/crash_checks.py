@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from drill_checkpoints import is_complete, losses_and_grad_norms
-from drill_runs import CRASH_MARKER, LOADED, Watch, last_iteration, tail
+from tests.drills.drill_checkpoints import is_complete, losses_and_grad_norms
+from tests.drills.drill_runs import CRASH_MARKER, LOADED, Watch, last_iteration, tail
 
 NEVER_REACHED = "never reached the"  # crash_driver.py's line when training ended before the kill point
 TRAIN_ITERS, SAVE_INTERVAL = 20, 5

@@ -8,9 +8,9 @@ ones that the offload runs fit under a cap of the baseline's peak less 90% of th
 saving, measured where it matters: the copy out of a step may overlap the next forward where the GPU
 has room, so an uncapped peak does not show it).
 
-    python scripts/integration.py --gpus 1 --out results/      # every 1-GPU entry
-    python scripts/integration.py --only dp2 tp2               # by name, in the table's order
-    python scripts/integration.py --only crash-after-step crash-backward crash-checkpoint --out results/crash
+    python -m tests.drills.integration --gpus 1 --out results/      # every 1-GPU entry
+    python -m tests.drills.integration --only dp2 tp2               # by name, in the table's order
+    python -m tests.drills.integration --only crash-after-step crash-backward crash-checkpoint --out results/crash
 
 Every run is bounded (``--bound-s``; drill_runs.Bounds for the crash entries): its log goes straight to
 a file, and a run past its bound is killed with every process it started (drill_runs.run_bounded); its
@@ -35,19 +35,17 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import crash_entries  # scripts/ is on sys.path when run as a script
-import drill_runs
-from crash_verdict import FAIL
-from memory_report import GIB, MIB, expected_state_bytes
-from memory_report import parse_log as parse_megatron_log
+from benchmarks.memory_report import GIB, MIB, expected_state_bytes
+from benchmarks.memory_report import parse_log as parse_megatron_log
+from megatron_offload.core.units import cap_below_peak
+from tests.drills import crash_entries, drill_runs
+from tests.drills.crash_verdict import FAIL
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # megatron_offload without pip install
-from megatron_offload.core.units import cap_below_peak  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 TINY = ["scripts/pretrain_gpt.py", "--config", "configs/tiny.yaml", "--log-memory-interval", "20"]
 OFFLOAD = ["--offload-optimizer-states"]
-# The larger shapes run 6 iterations instead of their config's 20, to fit the device time.
+# The larger shapes run 6 iterations instead of their config's 20, to keep the integration runs short.
 SHORT = ["--train-iters", "6", "--log-memory-interval", "6"]
 GPT_1B = ["scripts/pretrain_gpt.py", "--config", "configs/gpt_1b.yaml", *SHORT]
 GPT_TP2 = ["scripts/pretrain_gpt.py", "--config", "configs/gpt_tp2.yaml", *SHORT]

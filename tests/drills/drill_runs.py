@@ -1,4 +1,4 @@
-"""The bounded runner every drill's child runs under (the crash entries of scripts/integration.py and
+"""The bounded runner every drill's child runs under (the crash entries of tests/drills/integration.py and
 tests/gpu/host_memory_drill.py), and what a verdict says of a run it had to stop.
 
 Why a bounded runner. The first GPU try of the crash entries never came back from its killed run:

@@ -13,13 +13,19 @@ A difference of the offloaded resume is
 A difference of the control alone is reported, and is not ours. The entry's status: ``FAIL`` when any
 failure remains (a difference of ours, or a run or check that went wrong), else ``megatron-core's
 difference`` when there is one, else ``pass``.
+
+Every resume has one such difference: Megatron-LM logs the loss of a process's second iteration as the
+mean of its first two (``training_log`` in megatron/training/training.py, megatron-core 0.19.2, keeps the
+loss sums of a process's first iteration: ``should_reset = not is_first_iteration``), so the second
+iteration after a resume logs another loss than the uninterrupted run, whose first iteration was long
+before; its grad norm, and every later loss, are equal. No Megatron setting changes this.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from drill_checkpoints import ABSENT, losses_and_grad_norms, tensor_differences
+from tests.drills.drill_checkpoints import ABSENT, losses_and_grad_norms, tensor_differences
 
 PASS, MEGATRON_CORE, FAIL = "pass", "megatron-core's difference", "FAIL"
 Differences = dict[str, tuple[str, str]]  # what differs -> (its value uninterrupted, resumed)

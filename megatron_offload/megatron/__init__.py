@@ -1,0 +1,13 @@
+"""Every touch of megatron-core and Megatron-LM: optimizer and weight adapters, training-loop hooks."""
+
+__all__ = [
+    "adam_resume",
+    "optimizer_adapter",
+    "optimizer_internals",
+    "pacing",
+    "report",
+    "sleep_hooks",
+    "training_hooks",
+    "weights_adapter",
+    "weights_training",
+]
