@@ -9,7 +9,8 @@ where it is named. Everything else is refused in one line naming the flag and wh
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+
+from megatron_offload.config.refusals import Check, on, over_one, refuse, set_
 
 __all__ = [
     "SDPA_SPEC",
@@ -48,41 +49,27 @@ def add_long_context_args(group: argparse._ArgumentGroup) -> None:
     )
 
 
-def _on(args: argparse.Namespace, name: str) -> bool:
-    return bool(getattr(args, name, False))
-
-
-def _set(args: argparse.Namespace, name: str) -> bool:
-    return getattr(args, name, None) not in (None, False, "none", 0)
-
-
-def _over_one(args: argparse.Namespace, name: str) -> bool:
-    return (getattr(args, name, 1) or 1) > 1
-
-
 def _not_full(args: argparse.Namespace, name: str) -> bool:
     return getattr(args, name, None) != "full"
 
 
-Check = tuple[str, Callable[[argparse.Namespace, str], bool], str]
-
 _LAYER_INPUTS: list[Check] = [
     ("recompute_granularity", _not_full, "moves the inputs full recompute keeps: add --recompute-granularity full"),
-    ("distribute_saved_activations", _on, "cannot move inputs split across tensor-parallel ranks: drop it"),
-    ("fp8", _set, "does not support fp8 yet (its checkpoint is TransformerEngine's): drop it"),
-    ("fp4", _set, "does not support fp4 yet (its checkpoint is TransformerEngine's): drop it"),
-    ("cpu_offloading", _on, "and TransformerEngine's activation offloading cannot be combined: drop one"),
-    ("fine_grained_activation_offloading", _on, "and fine-grained activation offloading cannot be combined: drop one"),
-    ("enable_cuda_graph", _on, "cannot run under CUDA graphs (they bypass the layers' hooks): drop it"),
-    ("external_cuda_graph", _on, "cannot run under CUDA graphs (they bypass the layers' hooks): drop it"),
+    ("distribute_saved_activations", on, "cannot move inputs split across tensor-parallel ranks: drop it"),
+    ("fp8", set_, "does not support fp8 yet (its checkpoint is TransformerEngine's): drop it"),
+    ("fp4", set_, "does not support fp4 yet (its checkpoint is TransformerEngine's): drop it"),
+    ("cpu_offloading", on, "and TransformerEngine's activation offloading cannot be combined: drop one"),
+    ("fine_grained_activation_offloading", on, "and fine-grained activation offloading cannot be combined: drop one"),
+    ("enable_cuda_graph", on, "cannot run under CUDA graphs (they bypass the layers' hooks): drop it"),
+    ("external_cuda_graph", on, "cannot run under CUDA graphs (they bypass the layers' hooks): drop it"),
 ]
 
 _CHUNKED_LOSS: list[Check] = [
-    ("tensor_model_parallel_size", _over_one, "needs the whole vocabulary on each rank: set it to 1"),
-    ("mtp_num_layers", _set, "does not compute multi-token-prediction losses: drop it"),
-    ("cross_entropy_loss_fusion", _on, "replaces the fused cross entropy: drop --cross-entropy-loss-fusion"),
-    ("fp16_lm_cross_entropy", _on, "computes the loss in fp32: drop --fp16-lm-cross-entropy"),
-    ("use_mup", _on, "does not apply MuP's output scaling: drop it"),
+    ("tensor_model_parallel_size", over_one, "needs the whole vocabulary on each rank: set it to 1"),
+    ("mtp_num_layers", set_, "does not compute multi-token-prediction losses: drop it"),
+    ("cross_entropy_loss_fusion", on, "replaces the fused cross entropy: drop --cross-entropy-loss-fusion"),
+    ("fp16_lm_cross_entropy", on, "computes the loss in fp32: drop --fp16-lm-cross-entropy"),
+    ("use_mup", on, "does not apply MuP's output scaling: drop it"),
 ]
 
 
@@ -91,27 +78,16 @@ def uses_sdpa_spec(args: argparse.Namespace) -> bool:
 
 
 _SDPA: list[Check] = [
-    ("context_parallel_size", _over_one, "runs without context parallelism: set it to 1"),
-    ("window_size", _set, "has no sliding window: drop it"),
+    ("context_parallel_size", over_one, "runs without context parallelism: set it to 1"),
+    ("window_size", set_, "has no sliding window: drop it"),
     ("softmax_type", lambda args, name: getattr(args, name, "vanilla") not in (None, "vanilla"), "use vanilla"),
     (
         "create_attention_mask_in_dataloader",
-        _on,
+        on,
         "attends causally and reads no mask, which takes seq-length squared bytes per sample in host and GPU "
         "memory: add --no-create-attention-mask-in-dataloader",
     ),
 ]
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _refuse(args: argparse.Namespace, subject: str, checks: list[Check]) -> None:
-    for name, unsupported, advice in checks:
-        # A name missing from ``args`` is a parser without Megatron's flags (the launcher's early check).
-        if hasattr(args, name) and unsupported(args, name):
-            raise ValueError(f"{subject} {advice} (got {_flag(name)} {getattr(args, name)})")
 
 
 def check_long_context_flags(args: argparse.Namespace) -> None:
@@ -119,20 +95,20 @@ def check_long_context_flags(args: argparse.Namespace) -> None:
     tokens = getattr(args, "chunked_loss_tokens", None)
     if tokens is not None and tokens < 1:
         raise ValueError(f"--chunked-loss-tokens must be a positive number of tokens, got {tokens}")
-    if tokens is not None and not _on(args, "chunked_loss"):
+    if tokens is not None and not on(args, "chunked_loss"):
         raise ValueError("--chunked-loss-tokens sets the chunks of --chunked-loss: add --chunked-loss or drop it")
-    if _on(args, "offload_layer_inputs"):
-        _refuse(args, LAYER_INPUTS, _LAYER_INPUTS)
-    if _on(args, "chunked_loss"):
-        _refuse(args, CHUNKED_LOSS, _CHUNKED_LOSS)
+    if on(args, "offload_layer_inputs"):
+        refuse(args, LAYER_INPUTS, _LAYER_INPUTS)
+    if on(args, "chunked_loss"):
+        refuse(args, CHUNKED_LOSS, _CHUNKED_LOSS)
     if uses_sdpa_spec(args):
-        _refuse(args, "the SDPA layer spec", _SDPA)
+        refuse(args, "the SDPA layer spec", _SDPA)
 
 
 def layer_input_bytes_per_rank(args: argparse.Namespace) -> int:
     """Host bytes --offload-layer-inputs pins on a rank: one input per checkpointed chunk of layers, for
     every micro-batch a pipeline keeps in flight (one without pipeline parallelism)."""
-    if not _on(args, "offload_layer_inputs"):
+    if not on(args, "offload_layer_inputs"):
         return 0
     layers = getattr(args, "num_layers", 0) or 0
     pipeline = getattr(args, "pipeline_model_parallel_size", 1) or 1
@@ -142,6 +118,6 @@ def layer_input_bytes_per_rank(args: argparse.Namespace) -> int:
     block = getattr(args, "recompute_method", "uniform") == "block"
     chunks = min(per_chunk, per_stage) if block else -(-per_stage // per_chunk)
     tokens = (getattr(args, "seq_length", 0) or 0) * (getattr(args, "micro_batch_size", 1) or 1)
-    tokens //= getattr(args, "tensor_model_parallel_size", 1) if _on(args, "sequence_parallel") else 1
-    width = 4 if not (_on(args, "bf16") or _on(args, "fp16")) else 2
+    tokens //= getattr(args, "tensor_model_parallel_size", 1) if on(args, "sequence_parallel") else 1
+    width = 4 if not (on(args, "bf16") or on(args, "fp16")) else 2
     return chunks * tokens * (getattr(args, "hidden_size", 0) or 0) * width * pipeline

@@ -11,7 +11,8 @@ one line naming the flag and what to do.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+
+from megatron_offload.config.refusals import Check, is_not, is_other_than, on, over_one, refuse, set_
 
 __all__ = ["add_weight_args", "check_weight_flags"]
 
@@ -29,52 +30,28 @@ def add_weight_args(group: argparse._ArgumentGroup) -> None:
     )
 
 
-def _is(value: object) -> Callable[[argparse.Namespace, str], bool]:
-    return lambda args, name: getattr(args, name, None) not in (None, value)
-
-
-def _not(value: object) -> Callable[[argparse.Namespace, str], bool]:
-    return lambda args, name: getattr(args, name, None) != value
-
-
-def _over_one(args: argparse.Namespace, name: str) -> bool:
-    return (getattr(args, name, 1) or 1) > 1
-
-
-def _on(args: argparse.Namespace, name: str) -> bool:
-    return bool(getattr(args, name, False))
-
-
-def _set(args: argparse.Namespace, name: str) -> bool:
-    return getattr(args, name, None) not in (None, False, "none")
-
-
 # (argument name, is it unsupported?, what to tell the user)
-_AS_GIVEN: list[tuple[str, Callable[[argparse.Namespace, str], bool], str]] = [
-    ("tensor_model_parallel_size", _over_one, "streams on one GPU only for now; set it to 1"),
-    ("pipeline_model_parallel_size", _over_one, "streams on one GPU only for now; set it to 1"),
-    ("context_parallel_size", _over_one, "streams on one GPU only for now; set it to 1"),
-    ("expert_model_parallel_size", _over_one, "streams on one GPU only for now; set it to 1"),
-    ("num_experts", _set, "does not stream MoE expert weights yet; drop it"),
-    ("recompute_granularity", _not("full"), "needs --recompute-granularity full"),
-    ("recompute_method", _not("uniform"), "needs --recompute-method uniform"),
-    ("recompute_num_layers", _not(1), "needs --recompute-num-layers 1 (one layer's weights on the GPU at a time)"),
-    ("overlap_grad_reduce", _on, "cannot overlap the gradient reduce with backward: drop it"),
-    ("overlap_param_gather", _on, "cannot overlap the parameter gather: drop it"),
-    ("fp16", _on, "supports --bf16 (or fp32) training only: use --bf16"),
-    ("fp8", _set, "does not support fp8 yet: drop it"),
-    ("fp4", _set, "does not support fp4 yet: drop it"),
-    ("enable_cuda_graph", _on, "cannot run under CUDA graphs (they bypass the layers' hooks): drop it"),
-    ("external_cuda_graph", _on, "cannot run under CUDA graphs (they bypass the layers' hooks): drop it"),
-    ("cuda_graph_impl", _is("none"), "cannot run under CUDA graphs (they bypass the layers' hooks): use none"),
-    ("cpu_offloading", _on, "and activation offloading (--cpu-offloading) cannot be combined: drop it"),
-    ("num_layers_per_virtual_pipeline_stage", _set, "streams on one GPU only for now: drop it"),
-    ("init_model_with_meta_device", _on, "builds the model in host memory itself: drop it"),
+_AS_GIVEN: list[Check] = [
+    ("tensor_model_parallel_size", over_one, "streams on one GPU only for now; set it to 1"),
+    ("pipeline_model_parallel_size", over_one, "streams on one GPU only for now; set it to 1"),
+    ("context_parallel_size", over_one, "streams on one GPU only for now; set it to 1"),
+    ("expert_model_parallel_size", over_one, "streams on one GPU only for now; set it to 1"),
+    ("num_experts", set_, "does not stream MoE expert weights yet; drop it"),
+    ("recompute_granularity", is_not("full"), "needs --recompute-granularity full"),
+    ("recompute_method", is_not("uniform"), "needs --recompute-method uniform"),
+    ("recompute_num_layers", is_not(1), "needs --recompute-num-layers 1 (one layer's weights on the GPU at a time)"),
+    ("overlap_grad_reduce", on, "cannot overlap the gradient reduce with backward: drop it"),
+    ("overlap_param_gather", on, "cannot overlap the parameter gather: drop it"),
+    ("fp16", on, "supports --bf16 (or fp32) training only: use --bf16"),
+    ("fp8", set_, "does not support fp8 yet: drop it"),
+    ("fp4", set_, "does not support fp4 yet: drop it"),
+    ("enable_cuda_graph", on, "cannot run under CUDA graphs (they bypass the layers' hooks): drop it"),
+    ("external_cuda_graph", on, "cannot run under CUDA graphs (they bypass the layers' hooks): drop it"),
+    ("cuda_graph_impl", is_other_than("none"), "cannot run under CUDA graphs (they bypass its hooks): use none"),
+    ("cpu_offloading", on, "and activation offloading (--cpu-offloading) cannot be combined: drop it"),
+    ("num_layers_per_virtual_pipeline_stage", set_, "streams on one GPU only for now: drop it"),
+    ("init_model_with_meta_device", on, "builds the model in host memory itself: drop it"),
 ]
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def check_weight_flags(args: argparse.Namespace, state_offload: bool, derived: bool = False) -> None:
@@ -89,11 +66,7 @@ def check_weight_flags(args: argparse.Namespace, state_offload: bool, derived: b
             f"{FLAG} needs --offload-optimizer-states (the optimizer state of a model too large for the GPU "
             "must leave it too): add --offload-optimizer-states"
         )
-    for name, unsupported, advice in _AS_GIVEN:
-        # A name missing from ``args`` is a parser without Megatron's flags (the launcher's early check of
-        # ours): Megatron's own parse comes through here again with every name present.
-        if hasattr(args, name) and unsupported(args, name):
-            raise ValueError(f"{FLAG} {advice} (got {_flag(name)} {getattr(args, name)})")
+    refuse(args, FLAG, _AS_GIVEN)
     if not derived:
         return
     if (getattr(args, "data_parallel_size", 1) or 1) > 1 or (getattr(args, "world_size", 1) or 1) > 1:
