@@ -65,7 +65,7 @@ from megatron_offload.megatron.report import MemoryReading, format_offload_field
 from megatron_offload.megatron.sleep_hooks import install_rl_sleep_hooks
 from megatron_offload.megatron.weights_training import BYTES_PER_PARAM, install_weight_hooks, weight_log_fields
 
-__all__ = ["MissingMegatronTraining", "attached_handles", "install_training_hooks"]
+__all__ = ["MissingMegatronTraining", "attached_handles", "install_training_hooks", "parsed_megatron_args"]
 
 _handles: list[OffloadHandle] = []
 _long_context: list[LongContextHandle] = []
@@ -143,6 +143,16 @@ def host_bytes_per_rank(args: argparse.Namespace) -> int | None:
         return state
     per_param_state = 12 if getattr(args, "offload_master_weights", True) else 8
     return state // per_param_state * BYTES_PER_PARAM
+
+
+def parsed_megatron_args() -> argparse.Namespace | None:
+    """Megatron's parsed arguments, or None before they exist (or without megatron.training)."""
+    try:
+        from megatron.training import global_vars
+
+        return global_vars.get_args()
+    except (ImportError, AssertionError):
+        return None
 
 
 def wants_host_memory(args: argparse.Namespace) -> bool:

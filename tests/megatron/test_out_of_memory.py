@@ -1,0 +1,78 @@
+"""A run out of GPU memory ends in one line: what it asked for, what it held, the cap, and the flags that would
+move more off the GPU, from the flags it ran with."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import textwrap
+
+from megatron_offload.megatron.out_of_memory import out_of_memory_line, what_to_add
+
+GIB = 1 << 30
+ERROR = "CUDA out of memory. Tried to allocate 192.00 GiB. GPU 0 has a total capacity of 139.80 GiB"
+
+
+def megatron(**flags: object) -> argparse.Namespace:
+    defaults = {"seq_length": 2048, "micro_batch_size": 1, "transformer_impl": "local", "spec": None}
+    return argparse.Namespace(**{**defaults, **flags})
+
+
+def test_long_context_with_weights_streamed_is_told_the_long_context_pieces() -> None:
+    args = megatron(
+        seq_length=65536,
+        offload_optimizer_states=True,
+        offload_weights=True,
+        recompute_granularity="full",
+        offload_gpu_memory_cap_gib=24.0,
+    )
+    line = out_of_memory_line(RuntimeError(ERROR), args, int(20.5 * GIB), GIB)
+    assert line.startswith("megatron-offload: out of GPU memory under --offload-gpu-memory-cap-gib 24: asked for ")
+    assert "192.00 GiB with 20.50 GiB reserved at the peak" in line
+    assert "sdpa_spec" in line and "--offload-layer-inputs" in line and "--chunked-loss" in line
+    assert "--offload-weights" not in line and "\n" not in line
+
+
+def test_short_sequences_are_told_the_state_then_the_weights() -> None:
+    assert what_to_add(megatron()) == [
+        "--offload-optimizer-states",
+        "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1",
+    ]
+    state = megatron(offload_optimizer_states=True, recompute_granularity="full")
+    assert what_to_add(state) == ["--offload-weights (with full recompute one layer at a time)"]
+
+
+def test_everything_on_says_so() -> None:
+    args = megatron(
+        seq_length=65536,
+        spec=["megatron_offload.megatron.sdpa_spec", "gpt_layer_spec"],
+        offload_optimizer_states=True,
+        offload_weights=True,
+        recompute_granularity="full",
+        offload_layer_inputs=True,
+        chunked_loss=True,
+    )
+    assert what_to_add(args) == []
+    assert "Every offload this run can use is on" in out_of_memory_line(RuntimeError("x"), args, 0, GIB)
+
+
+def test_the_launcher_prints_the_line_instead_of_a_traceback(tmp_path) -> None:
+    """A script that runs out of memory through the launcher (no GPU needed: the error is raised as such)."""
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text(textwrap.dedent(f"""
+        import torch
+        raise torch.OutOfMemoryError({ERROR!r})
+    """))
+    runner = textwrap.dedent(f"""
+        import sys, torch
+        import megatron_offload.run as run
+        torch.cuda.is_available = lambda: True
+        torch.cuda.max_memory_reserved = lambda *a: 3 << 30
+        run.install_training_hooks = lambda: None
+        sys.exit(run.main([{str(script)!r}]))
+    """)
+    result = subprocess.run([sys.executable, "-c", runner], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "megatron-offload: out of GPU memory on this GPU: asked for 192.00 GiB with 3.00 GiB" in result.stderr
