@@ -34,6 +34,7 @@ from megatron_offload.core.streams import OFFLOAD, PREFETCH, Event, Streams
 __all__ = ["LayerInputOffloader", "LayerInputStats"]
 
 SLOTS = 2  # the input being recomputed, and the next one arriving
+MAX_PENDING_WAITS = 256  # timed waits kept for read_stats: a caller that never reads them holds no more
 
 
 @dataclass
@@ -125,6 +126,8 @@ class LayerInputOffloader:
         if saved.arrived is not None:
             self._waits.append(self.streams.compute_waits(saved.arrived))  # on the device: the input is there
             self.stats.fetched += 1
+            if len(self._waits) > MAX_PENDING_WAITS:
+                self.read_stats()  # folds the finished waits in: their events go, without a host wait
         mark = self.streams.mark()  # the layers after this one: their recompute and backward are queued
         for slot in self._slots:
             if slot.holder is not None and slot.holder.used:

@@ -128,3 +128,18 @@ def test_each_fetch_starts_one_layer_ahead_and_the_data_is_right_when_copies_lag
     assert all(torch.equal(a, b) for a, b in zip(plain_grads, grads, strict=True))
     # Three inputs out during the forward, then back in reverse, each fetch queued one unpack ahead.
     assert streams.log == [OFFLOAD] * 3 + [PREFETCH] * 3
+
+
+def test_timed_waits_are_folded_in_without_a_reader() -> None:
+    """A Python-API user who never reads the figures does not accumulate the waits' events."""
+
+    class TimedStreams(HostStreams):
+        timed = True
+
+        def compute_waits(self, event):
+            return self.mark(timed=True), self.mark(timed=True)  # completed, with a time
+
+    offloader = LayerInputOffloader(TimedStreams(), pin=False)
+    run(5, offloader, steps=80)  # 4 waits a step
+    assert offloader.stats.fetched == 320
+    assert len(offloader._waits) <= 256
