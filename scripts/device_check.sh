@@ -17,7 +17,8 @@
 #            integration  tests/drills/integration.py entries for $GPUS GPUs
 #            sweep        (not in the default) the memory-speed curve under caps ($SWEEP_ARGS)
 #            long         (not in the default) benchmarks/long_context.py: the SDPA spec, --chunked-loss and
-#                         --offload-layer-inputs in Megatron-LM's loop ($LONG_ARGS: its arguments)
+#                         --offload-layer-inputs in Megatron-LM's loop; LONG_PART=fit|speed (the 4.18B GPT at
+#                         65,536 tokens, H200), bitwise (16 x 2048 at 16k), longest (LONG_CONFIG, LONG_CAP)
 #            weights      (not in the default) benchmarks/weight_streaming.py: configs/gpt_1b.yaml at micro-batch 8
 #                         beside no offload, log intervals 1 and 5 (~7 min), and configs/gpt_4b.yaml under a
 #                         20 GiB cap (~4 min): run as two calls, WEIGHTS_PART=speed or fit
@@ -97,11 +98,16 @@ if wants weights; then  # not in the default PARTS: ~7 min (speed) or ~4 min (fi
     --out "$results/weights" 2>&1 | tee "$results/weights.log" | grep -vE "Warning|warn" | tail -n 12
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
-if wants long; then  # not in the default PARTS: long context in Megatron-LM's loop; $LONG_ARGS picks the rows
-  echo "=== long context (${LONG_ARGS:-the 4.18B GPT at 65,536 tokens under a 24 GiB cap})"
-  eval "python3 -m benchmarks.long_context --megatron-lm \"${MEGATRON_LM:-.megatron-lm}\" \
-    ${LONG_ARGS:---config configs/gpt_4b.yaml --seq 65536 --cap 24} --out \"$results/long\"" 2>&1 \
-    | tee "$results/long.log" | grep -vE "Warning|warn" | tail -n 12
+if wants long; then  # not in the default PARTS: long context in Megatron-LM's loop, one preset per call
+  case ${LONG_PART:-fit} in  # $LONG_ARGS, when set, replaces the preset's arguments
+    fit) long_args="--config configs/gpt_4b.yaml --seq 65536 --cap 24 --rows today new base --train-iters 6" ;;  # H200
+    speed) long_args="--config configs/gpt_4b.yaml --seq 65536 --cap 24 --rows new base --train-iters 4 --global-batch-size 4" ;;
+    bitwise) long_args="--config configs/gpt_1b.yaml --extra '--num-layers 16' --seq 16384 --cap 0 --rows new base --train-iters 6 --global-batch-size 2 --deterministic" ;;
+    longest) long_args="--config ${LONG_CONFIG:-configs/gpt_1b.yaml} --cap ${LONG_CAP:-24} --rows --longest 16384 262144" ;;
+  esac
+  echo "=== long context (${LONG_PART:-fit}): ${LONG_ARGS:-$long_args}"
+  eval "python3 -m benchmarks.long_context --megatron-lm \"${MEGATRON_LM:-.megatron-lm}\" ${LONG_ARGS:-$long_args} \
+    --out \"$results/long-${LONG_PART:-fit}\"" 2>&1 | tee "$results/long.log" | grep -vE "Warning|warn" | tail -n 12
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if wants integration; then
