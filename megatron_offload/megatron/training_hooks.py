@@ -251,7 +251,7 @@ def install_training_hooks() -> None:
                     check_host_room(needed)
                 except HostMemoryError as error:
                     _stop(f"megatron-offload: {error}")
-        cap = getattr(args, "offload_gpu_memory_cap_gib", None)
+        cap = config_from_args(args).gpu_memory_cap_gib
         if cap is not None:  # before the model is built, so that everything counts against it
             apply_memory_cap(cap, int(os.environ.get("LOCAL_RANK", "0")))
             _print_once(

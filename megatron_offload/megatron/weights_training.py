@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from megatron_offload.config.flags import config_from_args
 from megatron_offload.core.gpu_memory import gpu_only, uncapped
 from megatron_offload.core.mapped_memory import MappedPool, mapped_bytes
 from megatron_offload.core.units import GIB
@@ -50,12 +51,12 @@ def _say(message: str) -> None:
         print(message, flush=True)
 
 
-def _begin_building() -> None:
+def _begin_building(cap_bytes: int | None) -> None:
     global _pool, _building
     if _pool is None:
         _pool = MappedPool()
     _building = contextlib.ExitStack()
-    _building.enter_context(uncapped(torch.cuda.current_device()))
+    _building.enter_context(uncapped(cap_bytes, torch.cuda.current_device()))
     _building.enter_context(_pool.allocating())
 
 
@@ -87,9 +88,10 @@ def install_weight_hooks(training: Any, get_args: Callable[[], argparse.Namespac
     get_megatron_optimizer = training.get_megatron_optimizer
 
     def setup_in_host_memory(*args: Any, **kwargs: Any) -> Any:
-        if not getattr(get_args(), "offload_weights", False):
+        megatron_args = get_args()
+        if not getattr(megatron_args, "offload_weights", False):
             return setup(*args, **kwargs)
-        _begin_building()
+        _begin_building(config_from_args(megatron_args).gpu_memory_cap_bytes)
         try:
             return setup(*args, **kwargs)
         finally:
