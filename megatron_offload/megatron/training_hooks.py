@@ -254,14 +254,14 @@ def install_training_hooks() -> None:
                     _stop(f"megatron-offload: {error}")
         cap = config_from_args(args).gpu_memory_cap_gib
         if cap is not None:  # before the model is built, so that everything counts against it
-            apply_memory_cap(cap, int(os.environ.get("LOCAL_RANK", "0")))
+            run.gpu_memory_cap_bytes = apply_memory_cap(cap, int(os.environ.get("LOCAL_RANK", "0")))
             _print_once(
                 f"megatron-offload: GPU memory capped at {cap:g} GiB per process (--offload-gpu-memory-cap-gib)"
             )
         return result
 
     # Before the optimizer getter is captured below:
-    install_weight_hooks(training, lambda: global_vars.get_args(), run.weights)
+    install_weight_hooks(training, lambda: global_vars.get_args(), run.weights, lambda: run.gpu_memory_cap_bytes)
     get_megatron_optimizer = training.get_megatron_optimizer
 
     def get_megatron_optimizer_and_attach(*args: Any, **kwargs: Any) -> Any:

@@ -34,6 +34,9 @@ class TrainingRun:
     """With ``--offload-weights``: the host memory the model is built into and its streamers."""
     logged: dict[int, Any] = field(default_factory=dict)
     """Each handle's figures (by ``id``) when the log line last read them."""
+    gpu_memory_cap_bytes: int | None = None
+    """The cap argument validation applied to this process (``--offload-gpu-memory-cap-gib``), which the
+    weights' build lifts and sets again; None: none was."""
 
 
 def current_run() -> TrainingRun | None:

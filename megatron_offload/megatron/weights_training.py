@@ -1,8 +1,8 @@
 """Weight streaming in Megatron-LM's training loop (``megatron.training``): the model and the optimizer
 are built in device-mapped host memory, and the streamer is attached to the model Megatron built.
 
-``install_weight_hooks(training, get_args, weights)`` replaces three names in ``megatron.training.training`` (no
-source changed), each calling the original unless weights are streamed:
+``install_weight_hooks(training, get_args, weights, cap_bytes)`` replaces three names in
+``megatron.training.training`` (no source changed), each calling the original unless weights are streamed:
 - ``setup_model_and_optimizer``: with ``--offload-weights``, everything it builds goes to host memory
   (``MappedPool``) until the optimizer exists: the model, DDP's weight and gradient buffers and the fp32
   master weights, whichever way Megatron builds the model (``get_model`` or a config container's
@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from megatron_offload.config.flags import config_from_args
 from megatron_offload.core.gpu_memory import gpu_only, uncapped
 from megatron_offload.core.mapped_memory import MappedPool, mapped_bytes
 from megatron_offload.core.units import GIB
@@ -107,17 +106,22 @@ class StreamedWeights:
         return fields
 
 
-def install_weight_hooks(training: Any, get_args: Callable[[], argparse.Namespace], weights: StreamedWeights) -> None:
+def install_weight_hooks(
+    training: Any,
+    get_args: Callable[[], argparse.Namespace],
+    weights: StreamedWeights,
+    cap_bytes: Callable[[], int | None],
+) -> None:
     """Wrap ``training.setup_model_and_optimizer``, ``training.get_megatron_optimizer`` and
-    ``training.report_memory`` (see above); ``weights`` holds what they build and attach."""
+    ``training.report_memory`` (see above); ``weights`` holds what they build and attach, ``cap_bytes``
+    says the GPU memory cap set on the process (None: none), which the build lifts meanwhile."""
     setup = getattr(training, "setup_model_and_optimizer", None)
     get_megatron_optimizer = training.get_megatron_optimizer
 
     def setup_in_host_memory(*args: Any, **kwargs: Any) -> Any:
-        megatron_args = get_args()
-        if not getattr(megatron_args, "offload_weights", False):
+        if not getattr(get_args(), "offload_weights", False):
             return setup(*args, **kwargs)
-        weights.begin_building(config_from_args(megatron_args).gpu_memory_cap_bytes)
+        weights.begin_building(cap_bytes())
         try:
             return setup(*args, **kwargs)
         finally:

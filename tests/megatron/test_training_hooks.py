@@ -344,3 +344,16 @@ def test_streamed_weights_log_what_moved_since_the_last_line() -> None:
     assert " weights in/out per iter (GiB): 2.00/1.00 | weights exposed (ms): 5.0 |" in weights.log_fields(2)
     stats = WeightStats(bytes_in=5 * GIB, bytes_out=3 * GIB, exposed_ms=11.0)
     assert " weights in/out per iter (GiB): 1.00/1.00 | weights exposed (ms): 1.0 |" in weights.log_fields(1)
+
+
+def test_the_cap_validation_applies_is_the_runs_for_the_weights_build(
+    megatron: types.ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    applied: list[tuple[float, int]] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(megatron_training, "apply_memory_cap", lambda cap, device: applied.append((cap, device)) or 7)
+    assert current_run().gpu_memory_cap_bytes is None
+    parse_and_validate(megatron, monkeypatch, "--offload-gpu-memory-cap-gib", "20")
+    assert applied == [(20.0, 0)] and current_run().gpu_memory_cap_bytes == 7
+    assert "megatron-offload: GPU memory capped at 20 GiB per process" in capsys.readouterr().out
