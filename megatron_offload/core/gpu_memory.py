@@ -45,6 +45,8 @@ EXPANDABLE_SEGMENTS = "expandable_segments:True"
 CAP_FLAG = "--offload-gpu-memory-cap-gib"
 """How the cap is named in a refusal unless the caller names it otherwise (the Python API's field)."""
 
+# Module-level on purpose: like the allocator it records a setting of, it is the process's (turned on, and
+# said in the log, once per process, however many offloaders are attached).
 _expandable_from_now = False
 
 
