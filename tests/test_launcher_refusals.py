@@ -12,7 +12,6 @@ import torch
 
 from megatron_offload import run
 from megatron_offload.config.files import NO_CUDA
-from megatron_offload.megatron import training_hooks
 
 BASE = ["--use-distributed-optimizer"]
 
@@ -21,7 +20,6 @@ BASE = ["--use-distributed-optimizer"]
 def script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     """A script that must never run, with megatron.training made unimportable."""
     monkeypatch.setitem(sys.modules, "megatron.training", None)  # `from megatron.training import` fails
-    monkeypatch.setattr(training_hooks, "_installed", False)
     path = tmp_path / "pretrain_gpt.py"
     path.write_text("raise SystemExit('the script must not run')\n")
     return str(path)

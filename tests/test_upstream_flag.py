@@ -147,7 +147,6 @@ def megatron(monkeypatch: pytest.MonkeyPatch) -> tuple[types.ModuleType, list, l
         monkeypatch.setitem(sys.modules, f"megatron.training.{name}", getattr(package, name))
     monkeypatch.setitem(sys.modules, "megatron.training", package)
     monkeypatch.setattr(dataset_utils, "compile_helpers", dataset_utils.compile_helpers)
-    monkeypatch.setattr(training_hooks, "_installed", False)
 
     def attach(optimizer: object, config: object) -> types.SimpleNamespace:
         attached.append(optimizer)

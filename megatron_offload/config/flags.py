@@ -48,6 +48,7 @@ SETTING_FLAGS = {
     "chunk_mb": "--offload-chunk-mb",
     "fraction": "--offload-fraction",
     "check_host_memory": "--offload-host-memory-check",
+    "gpu_memory_cap_gib": "--offload-gpu-memory-cap-gib",
 }
 """The flag of each OffloadConfig field, for messages worded as the command line gives them."""
 
@@ -162,7 +163,7 @@ def add_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     group.add_argument(
         "--offload-gpu-memory-cap-gib",
         type=_number_of("a number of GiB, the GPU memory to imitate, such as 20"),
-        default=None,
+        default=DEFAULTS.gpu_memory_cap_gib,
         metavar="GIB",
         help="Let this process use at most this much GPU memory, as if the GPU were that small "
         "(torch.cuda.set_per_process_memory_fraction, set before the model is built). Works with or "
@@ -187,12 +188,7 @@ def check_offload_combinations(args: argparse.Namespace) -> None:
     own validation: its assertions (such as --optimizer-cpu-offload's) would otherwise send the user the
     wrong way, and its argument dump would bury the message.
     """
-    cap = getattr(args, "offload_gpu_memory_cap_gib", None)
-    if cap is not None and not 0 < cap < float("inf"):
-        raise ValueError(
-            f"--offload-gpu-memory-cap-gib must be a positive number of GiB (the GPU memory to imitate), got {cap}"
-        )
-    config_from_args(args)  # every offload value in range, with the messages the Python API gives
+    config_from_args(args)  # every offload value in range (the cap too), with the messages the Python API gives
     check_weight_flags(args, offload_requested(args))
     check_long_context_flags(args)
     if not offload_requested(args):
@@ -293,6 +289,7 @@ def config_from_args(args: argparse.Namespace) -> OffloadConfig:
             chunk_mb=getattr(args, "offload_chunk_mb", DEFAULTS.chunk_mb),
             fraction=getattr(args, "offload_fraction", DEFAULTS.fraction),
             check_host_memory=getattr(args, "offload_host_memory_check", DEFAULTS.check_host_memory),
+            gpu_memory_cap_gib=getattr(args, "offload_gpu_memory_cap_gib", DEFAULTS.gpu_memory_cap_gib),
         )
     except SettingError as error:
         raise ValueError(error.named(SETTING_FLAGS.get(error.field, error.field))) from None

@@ -12,6 +12,8 @@ from dataclasses import dataclass, fields, replace
 from enum import Enum
 from typing import Literal
 
+from megatron_offload.core.units import GIB
+
 __all__ = ["AUTO", "OffloadConfig", "PrefetchPolicy", "SettingError"]
 
 AUTO = "auto"
@@ -62,8 +64,17 @@ class OffloadConfig:
     """Pin the host buffers (fast, asynchronous copies); off only for tests on machines without CUDA."""
     check_host_memory: bool = True
     """Refuse to start when the node's host memory cannot hold every rank's offloaded state."""
+    gpu_memory_cap_gib: float | None = None
+    """Let this process use at most this many GiB of GPU memory, as on a GPU that small, and plan what
+    stays on the GPU against it; None: the GPU as it is. ``attach_offloader`` applies it (the launcher
+    applies it earlier, before the model is built, so that everything counts against it)."""
 
     def __post_init__(self) -> None:
+        cap = self.gpu_memory_cap_gib
+        if cap is not None and (not _is_number(cap) or not 0 < cap < math.inf):
+            raise SettingError(
+                "gpu_memory_cap_gib", f"must be a positive number of GiB (the GPU memory to imitate), got {cap!r}"
+            )
         if not isinstance(self.prefetch, PrefetchPolicy):
             choices = ", ".join(policy.value for policy in PrefetchPolicy)
             try:
@@ -84,6 +95,11 @@ class OffloadConfig:
         for name in ("offload_master_weights", "pin_memory", "check_host_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise SettingError(name, f"must be true or false, got {getattr(self, name)!r}")
+
+    @property
+    def gpu_memory_cap_bytes(self) -> int | None:
+        """The cap in bytes, as the allocator counts; None without one."""
+        return None if self.gpu_memory_cap_gib is None else int(self.gpu_memory_cap_gib * GIB)
 
     def with_changes(self, **changes: object) -> OffloadConfig:
         """A copy with ``changes`` (field names as keywords); an unknown name is a TypeError that lists the

@@ -11,6 +11,9 @@ Device-mapped host memory (``mapped_memory``, where streamed weights and gradien
 PyTorch's allocated and reserved bytes and against the per-process fraction: the cap set here is GPU
 memory on top of it, the limit is in the allocator's own accounting (mapped bytes included, so that it
 compares with ``torch.cuda.memory_reserved()``), and ``gpu_only`` takes them out of a reading.
+
+The cap is not kept here: its owner (``OffloadConfig.gpu_memory_cap_gib``, read from the flag once) passes it
+to each function that needs it, in bytes.
 """
 
 from __future__ import annotations
@@ -39,8 +42,11 @@ __all__ = [
 
 ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
+CAP_FLAG = "--offload-gpu-memory-cap-gib"
+"""How the cap is named in a refusal unless the caller names it otherwise (the Python API's field)."""
 
-_cap_bytes: dict[int, int] = {}  # device index -> the cap applied by apply_memory_cap
+# Module-level on purpose: like the allocator it records a setting of, it is the process's (turned on, and
+# said in the log, once per process, however many offloaders are attached).
 _expandable_from_now = False
 
 
@@ -79,31 +85,31 @@ def expandable_segments_from_now(environ: dict[str, str] | None = None) -> str |
     )
 
 
-def apply_memory_cap(cap_gib: float, device: int) -> int:
-    """Let PyTorch's allocator use at most ``cap_gib`` GiB on ``device`` (as on a GPU that small);
-    returns the cap in bytes. Must run before the model is built to mean anything."""
+def apply_memory_cap(cap_gib: float, device: int, name: str = CAP_FLAG) -> int:
+    """Let PyTorch's allocator use at most ``cap_gib`` GiB on ``device`` (as on a GPU that small), on top
+    of the device-mapped host memory held now; returns the cap in bytes. Before the model is built,
+    everything counts against it. ``name``: the setting to name in a refusal."""
     total = torch.cuda.get_device_properties(device).total_memory
     cap = int(cap_gib * GIB)
     if not 0 < cap <= total:
         raise ValueError(
-            f"--offload-gpu-memory-cap-gib {cap_gib:g} must be above 0 and at most this GPU's "
+            f"{name} {cap_gib:g} must be above 0 and at most this GPU's "
             f"{total / GIB:.1f} GiB; give the memory of the GPU you want to imitate."
         )
-    _cap_bytes[device] = cap
-    refresh_memory_cap(device)
+    refresh_memory_cap(cap, device, name)
     return cap
 
 
-def refresh_memory_cap(device: int) -> None:
+def refresh_memory_cap(cap_bytes: int | None, device: int, name: str = CAP_FLAG) -> None:
     """Set the allocator's fraction to the cap plus the device-mapped host memory held now (PyTorch
     counts that against the fraction although it takes no GPU memory). No-op without a cap."""
-    if device not in _cap_bytes:
+    if cap_bytes is None:
         return
     total = torch.cuda.get_device_properties(device).total_memory
-    allowed = _cap_bytes[device] + mapped_bytes()
+    allowed = cap_bytes + mapped_bytes()
     if allowed > total:
         raise ValueError(
-            f"--offload-gpu-memory-cap-gib {_cap_bytes[device] / GIB:g} plus the {mapped_bytes() / GIB:.1f} GiB of "
+            f"{name} {cap_bytes / GIB:g} plus the {mapped_bytes() / GIB:.1f} GiB of "
             f"host memory the streamed weights use (PyTorch counts it as GPU memory) pass this GPU's "
             f"{total / GIB:.1f} GiB, which PyTorch's cap cannot express; give a smaller cap."
         )
@@ -111,15 +117,16 @@ def refresh_memory_cap(device: int) -> None:
 
 
 @contextlib.contextmanager
-def uncapped(device: int) -> Iterator[None]:
-    """Lift the cap while building into device-mapped host memory (those bytes would count against it),
-    then set it again on top of what was built. Only host-memory allocations may happen inside."""
-    if device in _cap_bytes:
+def uncapped(cap_bytes: int | None, device: int) -> Iterator[None]:
+    """Lift the cap (``cap_bytes``, None: none was set) while building into device-mapped host memory
+    (those bytes would count against it), then set it again on top of what was built. Only host-memory
+    allocations may happen inside."""
+    if cap_bytes is not None:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
     try:
         yield
     finally:
-        refresh_memory_cap(device)
+        refresh_memory_cap(cap_bytes, device)
 
 
 def gpu_only(nbytes: int, allocated: bool = False) -> int:
@@ -128,13 +135,13 @@ def gpu_only(nbytes: int, allocated: bool = False) -> int:
     return max(0, nbytes - (mapped_allocated_bytes() if allocated else mapped_bytes()))
 
 
-def memory_limit_bytes(device: torch.device | int) -> int:
-    """What this process's caching allocator can hold on ``device``: the cap when one is set, else what
-    it holds now plus what the GPU has free."""
-    index = device if isinstance(device, int) else device.index
+def memory_limit_bytes(device: torch.device | int | None, cap_bytes: int | None = None) -> int:
+    """What this process's caching allocator can hold on ``device``: the cap (``cap_bytes``) when there is
+    one, else the fraction set on the process, else what it holds now plus what the GPU has free."""
+    if cap_bytes is not None:
+        return cap_bytes + mapped_bytes()  # in the allocator's accounting, mapped host bytes included
+    index = device if isinstance(device, int) or device is None else device.index
     index = torch.cuda.current_device() if index is None else index
-    if index in _cap_bytes:
-        return _cap_bytes[index] + mapped_bytes()  # in the allocator's accounting, mapped host bytes included
     read_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # newer torch only
     fraction = read_fraction(index) if read_fraction is not None else 1.0
     if fraction < 1.0:

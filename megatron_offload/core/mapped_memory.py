@@ -61,6 +61,10 @@ void mo_mapped_free(void *ptr, ssize_t size, int device, void *stream) {
 size_t mo_mapped_bytes(void) { return __atomic_load_n(&mapped, __ATOMIC_RELAXED); }
 """
 
+# Module-level on purpose, unlike the rest of the package's state: the compiled allocator is the process's,
+# not an object's. The library is loaded once and never unloaded (PyTorch's allocator calls into it for as
+# long as any pool's memory lives, and its C counter ``mapped`` counts every pool), and ``_pools`` lists
+# every pool in the process because the figures ``gpu_memory`` takes them out of (PyTorch's) are the process's.
 _library: ctypes.CDLL | None = None
 _library_path: Path | None = None
 _pools: list[MappedPool] = []

@@ -8,6 +8,7 @@ __all__ = [
     "report",
     "sleep_hooks",
     "training_hooks",
+    "training_run",
     "weights_adapter",
     "weights_training",
 ]

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from megatron_offload.config.options import OffloadConfig, PrefetchPolicy
-from megatron_offload.core.gpu_memory import expandable_segments_from_now, memory_limit_bytes
+from megatron_offload.core.gpu_memory import apply_memory_cap, expandable_segments_from_now, memory_limit_bytes
 from megatron_offload.core.stats import OffloadStats
 from megatron_offload.core.units import GIB, MIB
 from megatron_offload.megatron.optimizer_internals import (
@@ -86,7 +86,7 @@ class OffloadHandle:
         self.auto_fraction = config.fraction == "auto"
         self.on_cuda = torch.cuda.is_available()
         device = torch.cuda.current_device() if self.on_cuda else None
-        self.scheduler = StateScheduler(lambda: memory_limit_bytes(device))
+        self.scheduler = StateScheduler(lambda: memory_limit_bytes(device, config.gpu_memory_cap_bytes))
         self.say: Callable[[str], None] = logger.info  # the Megatron hooks print on the first rank instead
         self.hook_waits = 0
         self.step_backlog_bytes = 0
@@ -302,6 +302,9 @@ def attach_offloader(optimizer: Any, config: OffloadConfig | None = None, **over
     ``optimizer`` is what megatron-core's ``get_megatron_optimizer`` returned: a DistributedOptimizer or a
     ChainedOptimizer of them. Keyword overrides are OffloadConfig fields. Returns a handle; call
     ``handle.detach()`` to stop offloading and bring the state back.
+
+    NOTE: ``gpu_memory_cap_gib`` caps the process from here on (what is allocated already counts against
+    it) and stays set after ``detach()``, like expandable segments: it is the process's, not the handle's.
     """
     config = (config or OffloadConfig()).with_changes(**overrides)
     if getattr(optimizer, _HANDLE_ATTR, None) is not None:
@@ -355,6 +358,8 @@ def attach_offloader(optimizer: Any, config: OffloadConfig | None = None, **over
         # too, and iteration 1's forward learns its growth with nothing in flight.
         handle.offload()
         handle.drain_offloads()
+        if config.gpu_memory_cap_gib is not None and handle.on_cuda:  # last: a refusal leaves the fraction as it was
+            apply_memory_cap(config.gpu_memory_cap_gib, torch.cuda.current_device(), "OffloadConfig.gpu_memory_cap_gib")
     except BaseException:
         handle.detach()  # nothing half set up: no wrapper, hook or handle left behind
         raise

@@ -18,6 +18,9 @@ original:
   or without offloading, megatron-core's resume bugs are worked around (``fix_torch_adam_checkpoints``);
 - ``training.print_rank_last``: the per-iteration log line gains the offload figures (on the rank
   that prints it, Megatron's last rank; the figures are that rank's own).
+What the wrappers attach and read back is one ``TrainingRun`` (training_run.py), made by the
+install and kept on ``megatron.training.training``, which is also what keeps a second install from
+wrapping the wrappers.
 With ``--offload-weights``, weights_training.py replaces three more names of ``megatron.training.training``
 (``setup_model_and_optimizer``, ``get_megatron_optimizer`` before the wrapper above, ``report_memory``).
 ``--offload-gpu-memory-cap-gib`` caps the process's GPU memory right after argument validation,
@@ -57,19 +60,15 @@ from megatron_offload.config.long_context_flags import layer_input_bytes_per_ran
 from megatron_offload.core.gpu_memory import apply_memory_cap, gpu_only, use_expandable_segments_by_default
 from megatron_offload.core.host_memory import HostMemoryError, check_host_room
 from megatron_offload.megatron.adam_resume import fix_torch_adam_checkpoints
-from megatron_offload.megatron.long_context_adapter import LongContextHandle
 from megatron_offload.megatron.long_context_training import attach_long_context, layer_input_log_fields
 from megatron_offload.megatron.long_context_training import describe as describe_long_context
 from megatron_offload.megatron.optimizer_adapter import OffloadHandle, attach_offloader
 from megatron_offload.megatron.report import MemoryReading, format_offload_fields
 from megatron_offload.megatron.sleep_hooks import install_rl_sleep_hooks
-from megatron_offload.megatron.weights_training import BYTES_PER_PARAM, install_weight_hooks, weight_log_fields
+from megatron_offload.megatron.training_run import RUN_ATTR, TrainingRun, current_run
+from megatron_offload.megatron.weights_training import BYTES_PER_PARAM, install_weight_hooks
 
 __all__ = ["MissingMegatronTraining", "attached_handles", "install_training_hooks", "parsed_megatron_args"]
-
-_handles: list[OffloadHandle] = []
-_long_context: list[LongContextHandle] = []
-_installed = False
 
 
 class MissingMegatronTraining(ImportError):
@@ -78,7 +77,8 @@ class MissingMegatronTraining(ImportError):
 
 def attached_handles() -> list[OffloadHandle]:
     """The offloaders attached by the hooks in this process (one per optimizer Megatron built)."""
-    return list(_handles)
+    run = current_run()
+    return [] if run is None else list(run.offloads)
 
 
 def _import_megatron_training() -> tuple[Any, Any, Any]:
@@ -210,11 +210,12 @@ def _skip_compile_when_prebuilt() -> None:
 
 
 def install_training_hooks() -> None:
-    """Hook megatron.training so scripts get the offload flags, checks, attachment and log figures."""
-    global _installed
-    if _installed:
-        return
+    """Hook megatron.training so scripts get the offload flags, checks, attachment and log figures. The
+    wrappers share one ``TrainingRun``, made here and kept on ``training`` (a second call finds it)."""
     arguments, global_vars, training = _import_megatron_training()
+    if getattr(training, RUN_ATTR, None) is not None:
+        return
+    run = TrainingRun()
 
     parse_args = arguments.parse_args
 
@@ -251,22 +252,23 @@ def install_training_hooks() -> None:
                     check_host_room(needed)
                 except HostMemoryError as error:
                     _stop(f"megatron-offload: {error}")
-        cap = getattr(args, "offload_gpu_memory_cap_gib", None)
+        cap = config_from_args(args).gpu_memory_cap_gib
         if cap is not None:  # before the model is built, so that everything counts against it
-            apply_memory_cap(cap, int(os.environ.get("LOCAL_RANK", "0")))
+            run.gpu_memory_cap_bytes = apply_memory_cap(cap, int(os.environ.get("LOCAL_RANK", "0")))
             _print_once(
                 f"megatron-offload: GPU memory capped at {cap:g} GiB per process (--offload-gpu-memory-cap-gib)"
             )
         return result
 
-    install_weight_hooks(training, lambda: global_vars.get_args())  # before the optimizer getter is captured below
+    # Before the optimizer getter is captured below:
+    install_weight_hooks(training, lambda: global_vars.get_args(), run.weights, lambda: run.gpu_memory_cap_bytes)
     get_megatron_optimizer = training.get_megatron_optimizer
 
     def get_megatron_optimizer_and_attach(*args: Any, **kwargs: Any) -> Any:
         optimizer = get_megatron_optimizer(*args, **kwargs)
         long_context = attach_long_context(args[1] if len(args) > 1 else kwargs["model_chunks"], global_vars.get_args())
         if long_context is not None:
-            _long_context.append(long_context)
+            run.long_context.append(long_context)
             _print_once(describe_long_context(long_context))
         fix_note = fix_torch_adam_checkpoints(optimizer)  # with or without offloading
         if fix_note:
@@ -278,17 +280,17 @@ def install_training_hooks() -> None:
             except HostMemoryError as error:  # the host, not the code: one line (attach undid itself)
                 _stop(f"megatron-offload: {error}")
             handle.say = _print_once  # what `--offload-fraction auto` chose, on the first rank
-            _handles.append(handle)
+            run.offloads.append(handle)
         return optimizer
 
     print_rank_last = training.print_rank_last
-    previous_stats: dict[int, Any] = {}
 
     def print_rank_last_with_offload(message: Any) -> None:
-        if _handles and isinstance(message, str) and " iteration " in message and "consumed samples" in message:
-            for handle in _handles:
+        iteration_line = isinstance(message, str) and " iteration " in message and "consumed samples" in message
+        if run.offloads and iteration_line:
+            for handle in run.offloads:
                 current = handle.read_stats()
-                before = previous_stats.get(id(handle), type(current)())
+                before = run.logged.get(id(handle), type(current)())
                 memory = MemoryReading(  # GPU memory only: host-mapped weights are not counted
                     gpu_only(torch.cuda.memory_allocated(), allocated=True),
                     gpu_only(torch.cuda.memory_reserved()),
@@ -296,13 +298,13 @@ def install_training_hooks() -> None:
                     gpu_only(current.peak_reserved_bytes),
                 )
                 message += format_offload_fields(current, before, memory)
-                message += weight_log_fields(current.offloads - before.offloads)
-                previous_stats[id(handle)] = dataclasses.replace(current)
-        if _long_context and isinstance(message, str) and " iteration " in message and "consumed samples" in message:
+                message += run.weights.log_fields(current.offloads - before.offloads)
+                run.logged[id(handle)] = dataclasses.replace(current)
+        if run.long_context and iteration_line:
             steps = int(getattr(global_vars.get_args(), "log_interval", 1) or 1)
-            for handle in _long_context:
-                before = previous_stats.get(id(handle))
-                fields, previous_stats[id(handle)] = layer_input_log_fields(handle, before, steps)
+            for handle in run.long_context:
+                before = run.logged.get(id(handle))
+                fields, run.logged[id(handle)] = layer_input_log_fields(handle, before, steps)
                 message += fields
         print_rank_last(message)
 
@@ -315,4 +317,4 @@ def install_training_hooks() -> None:
     training.get_megatron_optimizer = get_megatron_optimizer_and_attach
     install_rl_sleep_hooks()  # wraps the optimizer getter above: RL's offload_to_cpu goes through our sleep
     training.print_rank_last = print_rank_last_with_offload
-    _installed = True
+    setattr(training, RUN_ATTR, run)  # installed: the guard above

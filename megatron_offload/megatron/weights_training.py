@@ -1,8 +1,8 @@
 """Weight streaming in Megatron-LM's training loop (``megatron.training``): the model and the optimizer
 are built in device-mapped host memory, and the streamer is attached to the model Megatron built.
 
-``install_weight_hooks(training, get_args)`` replaces three names in ``megatron.training.training`` (no
-source changed), each calling the original unless weights are streamed:
+``install_weight_hooks(training, get_args, weights, cap_bytes)`` replaces three names in
+``megatron.training.training`` (no source changed), each calling the original unless weights are streamed:
 - ``setup_model_and_optimizer``: with ``--offload-weights``, everything it builds goes to host memory
   (``MappedPool``) until the optimizer exists: the model, DDP's weight and gradient buffers and the fp32
   master weights, whichever way Megatron builds the model (``get_model`` or a config container's
@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import os
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,12 +33,7 @@ from megatron_offload.core.units import GIB
 from megatron_offload.megatron.weights_adapter import WeightHandle, attach_weight_streamer, move_buffers_to_gpu
 from megatron_offload.weights.stats import WeightStats
 
-__all__ = ["BYTES_PER_PARAM", "install_weight_hooks", "weight_log_fields"]
-
-_pool: MappedPool | None = None
-_building: contextlib.ExitStack | None = None  # open while setup builds into host memory
-_handles: list[WeightHandle] = []
-_previous: dict[int, WeightStats] = {}
+__all__ = ["BYTES_PER_PARAM", "StreamedWeights", "install_weight_hooks"]
 
 # Host bytes per parameter with --offload-weights: bf16 weights and fp32 gradients (DDP's buffers), the
 # weights' first copy (freed into the pool when DDP builds its buffers, kept for reuse), fp32 masters,
@@ -50,63 +46,99 @@ def _say(message: str) -> None:
         print(message, flush=True)
 
 
-def _begin_building() -> None:
-    global _pool, _building
-    if _pool is None:
-        _pool = MappedPool()
-    _building = contextlib.ExitStack()
-    _building.enter_context(uncapped(torch.cuda.current_device()))
-    _building.enter_context(_pool.allocating())
+@dataclass
+class StreamedWeights:
+    """Weight streaming in one training process: the host memory the model is built into, the build while
+    it is open, the streamers attached and the figures last logged. ``install_weight_hooks``' wrappers
+    share one (the training run's)."""
+
+    pool: MappedPool | None = None
+    """Device-mapped host memory, made at the first build and kept (freed blocks are reused)."""
+    building: contextlib.ExitStack | None = None
+    """Open while setup builds into host memory: the cap lifted, allocations in the pool."""
+    handles: list[WeightHandle] = field(default_factory=list)
+    """One per model Megatron built and streamed."""
+    previous: dict[int, WeightStats] = field(default_factory=dict)
+    """Each handle's figures (by ``id``) when the log line last read them."""
+
+    def begin_building(self, cap_bytes: int | None) -> None:
+        """From here on allocations are host memory; the cap (``cap_bytes``, None: none) is lifted."""
+        if self.pool is None:
+            self.pool = MappedPool()
+        self.building = contextlib.ExitStack()
+        self.building.enter_context(uncapped(cap_bytes, torch.cuda.current_device()))
+        self.building.enter_context(self.pool.allocating())
+
+    def end_building(self) -> None:
+        """Allocations are GPU memory again; the cap is set again on top of the host memory built."""
+        if self.building is not None:
+            building, self.building = self.building, None
+            building.close()
+
+    def stream(self, model: list[Any]) -> None:
+        moved = move_buffers_to_gpu(model)
+        handle = attach_weight_streamer(model)
+        self.handles.append(handle)
+        torch.cuda.reset_peak_memory_stats()  # the build's host-memory growth is not a GPU peak
+        streamer = handle.streamer
+        _say(
+            f"megatron-offload: weights streamed: {len(streamer.layers)} layers through "
+            f"{len(streamer.weights.slots)} weight and {len(streamer.grads.slots)} gradient slots; GPU memory for "
+            f"the slots and the embedding and output layer {streamer.stats.gpu_bytes / GIB:.2f} GiB; "
+            f"{mapped_bytes() / GIB:.2f} GiB of weights, gradients and master weights in host memory ({moved} bytes "
+            "of module buffers moved to the GPU)"
+        )
+
+    def log_fields(self, steps: int = 1) -> str:
+        """Megatron log-line fields: bytes each way and exposed copy time per iteration since the last line."""
+        fields = ""
+        for handle in self.handles:
+            current = handle.read_stats()
+            before = self.previous.get(id(handle), WeightStats())
+            per = max(steps, 1)
+            fields += (
+                f" weights in/out per iter (GiB): {(current.bytes_in - before.bytes_in) / per / GIB:.2f}/"
+                f"{(current.bytes_out - before.bytes_out) / per / GIB:.2f} |"
+                f" weights exposed (ms): {(current.exposed_ms - before.exposed_ms) / per:.1f} |"
+                f" host-mapped (GiB): {mapped_bytes() / GIB:.2f} |"
+            )
+            self.previous[id(handle)] = current
+        return fields
 
 
-def _end_building() -> None:
-    """Allocations are GPU memory again; the cap is set again on top of the host memory built."""
-    global _building
-    if _building is not None:
-        building, _building = _building, None
-        building.close()
-
-
-def _stream(model: list[Any]) -> None:
-    moved = move_buffers_to_gpu(model)
-    handle = attach_weight_streamer(model)
-    _handles.append(handle)
-    torch.cuda.reset_peak_memory_stats()  # the build's host-memory growth is not a GPU peak
-    streamer = handle.streamer
-    _say(
-        f"megatron-offload: weights streamed: {len(streamer.layers)} layers through {len(streamer.weights.slots)} "
-        f"weight and {len(streamer.grads.slots)} gradient slots; GPU memory for the slots and the embedding and "
-        f"output layer {streamer.stats.gpu_bytes / GIB:.2f} GiB; {mapped_bytes() / GIB:.2f} GiB of weights, "
-        f"gradients and master weights in host memory ({moved} bytes of module buffers moved to the GPU)"
-    )
-
-
-def install_weight_hooks(training: Any, get_args: Callable[[], argparse.Namespace]) -> None:
-    """Wrap ``training.setup_model_and_optimizer`` and ``training.get_megatron_optimizer`` (see above)."""
+def install_weight_hooks(
+    training: Any,
+    get_args: Callable[[], argparse.Namespace],
+    weights: StreamedWeights,
+    cap_bytes: Callable[[], int | None],
+) -> None:
+    """Wrap ``training.setup_model_and_optimizer``, ``training.get_megatron_optimizer`` and
+    ``training.report_memory`` (see above); ``weights`` holds what they build and attach, ``cap_bytes``
+    says the GPU memory cap set on the process (None: none), which the build lifts meanwhile."""
     setup = getattr(training, "setup_model_and_optimizer", None)
     get_megatron_optimizer = training.get_megatron_optimizer
 
     def setup_in_host_memory(*args: Any, **kwargs: Any) -> Any:
         if not getattr(get_args(), "offload_weights", False):
             return setup(*args, **kwargs)
-        _begin_building()
+        weights.begin_building(cap_bytes())
         try:
             return setup(*args, **kwargs)
         finally:
-            _end_building()  # also where no optimizer was built, or the build failed
+            weights.end_building()  # also where no optimizer was built, or the build failed
 
     def get_megatron_optimizer_then_stream(config: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
-        if _building is None:
+        if weights.building is None:
             return get_megatron_optimizer(config, model, *args, **kwargs)
         optimizer = get_megatron_optimizer(config, model, *args, **kwargs)  # masters in host memory
-        _end_building()
-        _stream(model if isinstance(model, list) else [model])
+        weights.end_building()
+        weights.stream(model if isinstance(model, list) else [model])
         return optimizer
 
     report_memory = getattr(training, "report_memory", None)
 
     def report_gpu_memory(name: str, *args: Any, **kwargs: Any) -> None:
-        if not _handles:
+        if not weights.handles:
             return report_memory(name, *args, **kwargs)
         mib = 1024.0 * 1024.0
         figures = (
@@ -125,20 +157,3 @@ def install_weight_hooks(training: Any, get_args: Callable[[], argparse.Namespac
     if setup is not None:  # every megatron.training that builds models has it
         training.setup_model_and_optimizer = setup_in_host_memory
     training.get_megatron_optimizer = get_megatron_optimizer_then_stream
-
-
-def weight_log_fields(steps: int = 1) -> str:
-    """Megatron log-line fields: bytes each way and exposed copy time per iteration since the last line."""
-    fields = ""
-    for handle in _handles:
-        current = handle.read_stats()
-        before = _previous.get(id(handle), WeightStats())
-        per = max(steps, 1)
-        fields += (
-            f" weights in/out per iter (GiB): {(current.bytes_in - before.bytes_in) / per / GIB:.2f}/"
-            f"{(current.bytes_out - before.bytes_out) / per / GIB:.2f} |"
-            f" weights exposed (ms): {(current.exposed_ms - before.exposed_ms) / per:.1f} |"
-            f" host-mapped (GiB): {mapped_bytes() / GIB:.2f} |"
-        )
-        _previous[id(handle)] = current
-    return fields

@@ -6,6 +6,7 @@ import pytest
 
 from megatron_offload import OffloadConfig, PrefetchPolicy, add_offload_args, config_from_args, validate_offload_args
 from megatron_offload.config.flags import check_offload_combinations, ignored_offload_flags
+from megatron_offload.core.units import GIB
 
 
 def megatron_like_args(**overrides: object) -> argparse.Namespace:
@@ -169,7 +170,11 @@ def test_validation_rejects_bad_values_before_anything_is_built(flag: str, value
 
 
 def test_the_python_api_and_the_flags_say_the_same_each_in_its_own_names() -> None:
-    for field, flag, value in (("chunk_mb", "--offload-chunk-mb", 0.0), ("fraction", "--offload-fraction", 1.5)):
+    for field, flag, value in (
+        ("chunk_mb", "--offload-chunk-mb", 0.0),
+        ("fraction", "--offload-fraction", 1.5),
+        ("gpu_memory_cap_gib", "--offload-gpu-memory-cap-gib", -2.0),
+    ):
         with pytest.raises(ValueError) as from_api:
             OffloadConfig(**{field: value})
         with pytest.raises(ValueError) as from_flags:
@@ -183,6 +188,18 @@ def test_an_unknown_setting_is_named_with_the_nearest_one() -> None:
         OffloadConfig().with_changes(chunkmb=32)
     assert str(error.value).startswith("'chunkmb' is not an offload setting (did you mean 'chunk_mb'?); the settings: ")
     assert OffloadConfig().with_changes(chunk_mb=32) == OffloadConfig(chunk_mb=32)
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf"), "20", True])
+def test_the_python_api_refuses_a_cap_that_is_not_a_positive_number(value: object) -> None:
+    with pytest.raises(ValueError, match=r"^OffloadConfig.gpu_memory_cap_gib must be a positive number of GiB"):
+        OffloadConfig(gpu_memory_cap_gib=value)
+
+
+def test_no_cap_is_the_default_and_a_cap_is_kept_in_gib_and_bytes() -> None:
+    assert OffloadConfig().gpu_memory_cap_gib is None and OffloadConfig().gpu_memory_cap_bytes is None
+    assert OffloadConfig(gpu_memory_cap_gib=20).gpu_memory_cap_bytes == 20 * GIB
+    assert OffloadConfig(gpu_memory_cap_gib=0.5).gpu_memory_cap_bytes == GIB // 2
 
 
 @pytest.mark.parametrize("value", ["64", True, None, [1]])
@@ -200,6 +217,8 @@ def test_the_cap_is_checked_with_offloading_off_too() -> None:
     args = add_offload_args(argparse.ArgumentParser()).parse_args(["--offload-gpu-memory-cap-gib", "24"])
     validate_offload_args(args)
     assert args.offload_gpu_memory_cap_gib == 24.0
+    assert config_from_args(args) == OffloadConfig(gpu_memory_cap_gib=24.0)
+    assert config_from_args(args).gpu_memory_cap_bytes == 24 * GIB
 
 
 @pytest.mark.parametrize(

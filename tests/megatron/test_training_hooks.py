@@ -14,7 +14,11 @@ import torch
 
 from megatron_offload import run
 from megatron_offload.config.files import NO_CUDA, expand_config_argv
+from megatron_offload.core.units import GIB
 from megatron_offload.megatron import training_hooks as megatron_training
+from megatron_offload.megatron.training_run import RUN_ATTR, TrainingRun, current_run
+from megatron_offload.megatron.weights_training import StreamedWeights
+from megatron_offload.weights.stats import WeightStats
 
 MEGATRON_DUMP = "------------------------ arguments ------------------------"
 
@@ -62,7 +66,6 @@ def megatron(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
         monkeypatch.setitem(sys.modules, f"megatron.training.{name}", getattr(package, name))
     monkeypatch.setitem(sys.modules, "megatron.training", package)
     monkeypatch.setattr(dataset_utils, "compile_helpers", dataset_utils.compile_helpers)
-    monkeypatch.setattr(megatron_training, "_installed", False)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     monkeypatch.delenv("RANK", raising=False)
     megatron_training.install_training_hooks()
@@ -315,3 +318,42 @@ def test_a_host_that_refuses_the_state_at_attach_is_one_line(
         megatron.training.get_megatron_optimizer(None, [])
     (line,) = capsys.readouterr().err.splitlines()
     assert exit_.value.code == 2 and line.startswith("megatron-offload: --offload-optimizer-states needs 9.00 GiB")
+
+
+def test_the_hooks_keep_one_run_on_the_module_they_hook_and_install_once(megatron: types.ModuleType) -> None:
+    run = current_run()
+    assert run is getattr(megatron.training, RUN_ATTR) and run == TrainingRun()
+    wrapped = (megatron.arguments.parse_args, megatron.training.get_megatron_optimizer)
+    megatron_training.install_training_hooks()  # a second call finds the run: nothing wrapped twice
+    assert (megatron.arguments.parse_args, megatron.training.get_megatron_optimizer) == wrapped
+    assert current_run() is run
+
+
+def test_an_attached_offloader_is_the_runs(megatron: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    handle = types.SimpleNamespace(say=None)
+    monkeypatch.setattr(megatron_training, "attach_offloader", lambda optimizer, config: handle)
+    monkeypatch.setattr(megatron_training, "fix_torch_adam_checkpoints", lambda optimizer: None)
+    megatron.global_vars.get_args = lambda: argparse.Namespace(offload_optimizer_states=True)
+    megatron.training.get_megatron_optimizer(None, [])
+    assert current_run().offloads == [handle] and megatron_training.attached_handles() == [handle]
+
+
+def test_streamed_weights_log_what_moved_since_the_last_line() -> None:
+    stats = WeightStats(bytes_in=4 * GIB, bytes_out=2 * GIB, exposed_ms=10.0)
+    weights = StreamedWeights(handles=[types.SimpleNamespace(read_stats=lambda: stats)])
+    assert " weights in/out per iter (GiB): 2.00/1.00 | weights exposed (ms): 5.0 |" in weights.log_fields(2)
+    stats = WeightStats(bytes_in=5 * GIB, bytes_out=3 * GIB, exposed_ms=11.0)
+    assert " weights in/out per iter (GiB): 1.00/1.00 | weights exposed (ms): 1.0 |" in weights.log_fields(1)
+
+
+def test_the_cap_validation_applies_is_the_runs_for_the_weights_build(
+    megatron: types.ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    applied: list[tuple[float, int]] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(megatron_training, "apply_memory_cap", lambda cap, device: applied.append((cap, device)) or 7)
+    assert current_run().gpu_memory_cap_bytes is None
+    parse_and_validate(megatron, monkeypatch, "--offload-gpu-memory-cap-gib", "20")
+    assert applied == [(20.0, 0)] and current_run().gpu_memory_cap_bytes == 7
+    assert "megatron-offload: GPU memory capped at 20 GiB per process" in capsys.readouterr().out
