@@ -51,6 +51,12 @@ _AS_GIVEN: list[Check] = [
     ("cpu_offloading", on, "and activation offloading (--cpu-offloading) cannot be combined: drop it"),
     ("num_layers_per_virtual_pipeline_stage", set_, "streams on one GPU only for now: drop it"),
     ("init_model_with_meta_device", on, "builds the model in host memory itself: drop it"),
+    (
+        "transformer_impl",
+        is_other_than("local"),
+        "streams megatron-core's local layers only (TransformerEngine's keep weight caches and accumulate weight "
+        "gradients inside their GEMMs): use --transformer-impl local",
+    ),
 ]
 
 

@@ -49,6 +49,7 @@ def test_forgetting_the_state_flag_is_named() -> None:
         ({"fp16": True}, "--fp16 True"),
         ({"fp8": "hybrid"}, "--fp8 hybrid"),
         ({"cuda_graph_impl": "local"}, "--cuda-graph-impl local"),
+        ({"transformer_impl": "transformer_engine"}, "--transformer-impl transformer_engine"),
     ],
 )
 def test_unsupported_combinations_are_refused_before_anything_is_built(megatron: dict, named: str) -> None:
