@@ -71,6 +71,7 @@ class OptimizerStateOffloader(PlannedState, ChunkCopies):
         self.keep_state_keys = frozenset(keep_state_keys)
         self.chunk_bytes = chunk_bytes
         self.fraction = fraction
+        self.kept_goal = None  # set by keep_bytes (the scheduler's bytes), then used over fraction
         self.pin_memory = pin_memory
         self.check_host_memory = check_host_memory
         self.stats = OffloadStats()

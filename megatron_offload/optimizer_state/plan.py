@@ -224,6 +224,18 @@ def kept_from(sizes: list[int], fraction: float) -> int:
     return len(sizes)
 
 
+def kept_from_bytes(sizes: list[int], kept_bytes: int) -> int:
+    """Index of the first chunk kept on the GPU, given each chunk's full size: keep whole chunks at the
+    back, as near ``kept_bytes`` as chunks allow. ``kept_from``'s rule in bytes: a chunk stays when its
+    middle lies within the last ``kept_bytes`` of the state, so up to half a chunk more may stay."""
+    total, offloaded = sum(sizes), 0
+    for index, size in enumerate(sizes):
+        if 2 * (offloaded + kept_bytes) + size > 2 * total:  # offloaded + size / 2 > total - kept_bytes
+            return index
+        offloaded += size
+    return len(sizes)
+
+
 def adopt_new_state(plan: Plan, chunk: Chunk, optimizer: torch.optim.Optimizer, keys: frozenset, slab) -> int:
     """Plan the state the optimizer has just created for the chunk's params (Adam's moments, at its first
     step) into the chunk, with host room at the end of the slab, so it moves with the chunk instead of

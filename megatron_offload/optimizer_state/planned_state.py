@@ -30,6 +30,7 @@ class PlannedState:
     keep_state_keys: frozenset[str]
     chunk_bytes: int
     fraction: float
+    kept_goal: int | None  # bytes to keep on the GPU as decided last (``keep_bytes``); None: by ``fraction``
     pin_memory: bool
     check_host_memory: bool
     stats: OffloadStats
@@ -85,7 +86,7 @@ class PlannedState:
         cuts = planning.cut(self.optimizer, found, self.chunk_bytes)
         self._make_room(sum(expected for piece in cuts for _, _, expected in piece))
         sizes = [sum(expected for _, _, expected in piece) for piece in cuts]
-        self.plan = planning.lay_out(cuts, self._slab.tensor, key, planning.kept_from(sizes, self.fraction))
+        self.plan = planning.lay_out(cuts, self._slab.tensor, key, self._first_kept(sizes))
         self.count_plan()
         self.stats.pinned = self._slab.pinned or not self.chunks
         if found:
@@ -112,8 +113,25 @@ class PlannedState:
     def set_fraction(self, fraction: float) -> None:
         """Offload this share of the state from now on (whole chunks from the front): chunks no longer
         kept leave at the next ``offload()``; newly kept ones come back through the next step and stay."""
-        self.fraction = fraction
-        first_kept = planning.kept_from([max(c.nbytes, c.expected) for c in self.chunks], fraction)
+        self.fraction, self.kept_goal = fraction, None
+        self._mark_kept()
+
+    def keep_bytes(self, nbytes: int) -> int:
+        """Keep about ``nbytes`` of the state on the GPU from now on, in this plan and later ones (whole
+        chunks from the back: ``plan.kept_from_bytes``); moves as ``set_fraction`` does. Returns the bytes
+        kept, counting the moments Adam's first step will add (the sizes it split by)."""
+        self.kept_goal = nbytes
+        self._mark_kept()
+        return self.kept_bytes
+
+    def _first_kept(self, sizes: list[int]) -> int:
+        """Index of the first kept chunk: by the bytes decided last, else by the fraction."""
+        if self.kept_goal is None:
+            return planning.kept_from(sizes, self.fraction)
+        return planning.kept_from_bytes(sizes, self.kept_goal)
+
+    def _mark_kept(self) -> None:
+        first_kept = self._first_kept([max(c.nbytes, c.expected) for c in self.chunks])
         for chunk in self.chunks:
             chunk.kept = chunk.index >= first_kept
         self.count_plan()
