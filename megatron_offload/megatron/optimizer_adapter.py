@@ -174,27 +174,37 @@ class OffloadHandle:
             return
         state = sum(offloader.plan.full_bytes() for offloader in self.offloaders)
         budget = self.scheduler.kept_budget(state)
-        fraction = 1.0 - budget / state if state else 1.0
         if not self.auto_fraction:
-            for offloader in self.offloaders:
-                offloader.set_fraction(self.config.fraction)
-            if self.kept_bytes() > budget:
-                kept = self.kept_bytes()
-                for offloader in self.offloaders:
-                    offloader.set_fraction(1.0)  # nothing stays: the state is whole in host memory
+            # The fraction becomes bytes here, once: the plan says how many bytes the state has.
+            kept = self._keep(round((1.0 - self.config.fraction) * state))
+            if kept > budget:
+                self._keep(0)  # nothing stays: the state is whole in host memory
+                least = 1.0 - budget / state
                 raise OffloadFitError(
                     f"megatron-offload: --offload-fraction {self.config.fraction:g} keeps {kept / GIB:.2f} GiB of "
                     f"optimizer state on the GPU, but the memory limit ({self.scheduler.limit() / GIB:.2f} GiB) leaves "
                     f"{budget / GIB:.2f} GiB beside what training needs without it "
                     f"({self.scheduler.natural.reserved / GIB:.2f} GiB reserved at its peak): use --offload-fraction "
-                    f"auto (keeps what fits), --offload-fraction {min(1.0, fraction + 0.005):.2f} or more, or "
+                    f"auto (keeps what fits), --offload-fraction {min(1.0, least + 0.005):.2f} or more, or "
                     "--offload-prefetch step. The optimizer state is whole in host memory."
                 )
         else:
-            for offloader in self.offloaders:
-                offloader.set_fraction(fraction)
-            self.say(self.scheduler.explain(self.kept_bytes(), state))
-        self._chosen = self.kept_bytes()
+            kept = self._keep(budget)
+            self.say(self.scheduler.explain(kept, state))
+        self._chosen = kept
+
+    def _keep(self, nbytes: int) -> int:
+        """Keep ``nbytes`` of state on the GPU, split across the offloaders in proportion to their state
+        (whole bytes, none lost in the split); returns the bytes they keep, each within half a chunk of
+        its share. The same as one fraction for all of them, as before, except where a share lands
+        within a byte of a chunk's middle: there the fraction's float and the share's rounding may differ."""
+        sizes = [offloader.plan.full_bytes() for offloader in self.offloaders]
+        state, before, kept = sum(sizes), 0, 0
+        for offloader, size in zip(self.offloaders, sizes, strict=True):
+            share = (nbytes * (before + size) // state - nbytes * before // state) if state else 0
+            before += size
+            kept += offloader.keep_bytes(share)
+        return kept
 
     def _after_step(self) -> None:
         """The state has left the step: wait until no more is pending than the next forward has room for."""
