@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.weight_streaming import RECOMPUTE, WEIGHTS, ratios, row
+from benchmarks.weight_streaming import WEIGHTS, client, ratios, row
 
 SDPA = ["--spec", "megatron_offload.megatron.sdpa_spec", "gpt_layer_spec"]
 NEW = [*SDPA, "--chunked-loss", "--offload-layer-inputs", *WEIGHTS]
@@ -59,12 +58,9 @@ def main() -> int:
     parser.add_argument("--longest", type=int, nargs=2, metavar=("MIN", "MAX"), default=None)
     parser.add_argument("--out", type=Path, default=Path("long-context"))
     args = parser.parse_args()
-    script = args.megatron_lm / "pretrain_gpt.py"
-    if not script.is_file():
-        print(f"long_context: no pretrain_gpt.py in {args.megatron_lm}", file=sys.stderr)
+    base = client(args, "long_context")
+    if base is None:
         return 2
-    args.out.mkdir(parents=True, exist_ok=True)
-    base = ["-m", "megatron_offload.run", str(script), "--config", args.config, *RECOMPUTE, *shlex.split(args.extra)]
     batch = ["--global-batch-size", str(args.global_batch_size), "--log-interval", "1", "--timing-log-level", "1"]
     capped = ["--offload-gpu-memory-cap-gib", f"{args.cap:g}"] if args.cap else []  # --cap 0: uncapped
     batch += ["--deterministic-mode"] if args.deterministic else []

@@ -57,6 +57,17 @@ def row(name: str, argv: list[str], out: Path) -> dict[str, Any]:
     return figures
 
 
+def client(args: argparse.Namespace, who: str) -> list[str] | None:
+    """Our launcher on Megatron-LM's ``pretrain_gpt.py`` with the config, full recompute and ``--extra``;
+    None (said on stderr) where ``--megatron-lm`` has no such script. Makes ``--out``."""
+    script = args.megatron_lm / "pretrain_gpt.py"
+    if not script.is_file():
+        print(f"{who}: no pretrain_gpt.py in {args.megatron_lm}", file=sys.stderr)
+        return None
+    args.out.mkdir(parents=True, exist_ok=True)
+    return ["-m", "megatron_offload.run", str(script), "--config", args.config, *RECOMPUTE, *shlex.split(args.extra)]
+
+
 def ratios(results: dict[str, Any], base: str) -> None:
     """Each row's time and forward-backward as a ratio to ``base`` in the same invocation; losses."""
     reference = results.get(base, {})
@@ -85,12 +96,9 @@ def main() -> int:
     )
     parser.add_argument("--out", type=Path, default=Path("weight-streaming"))
     args = parser.parse_args()
-    script = args.megatron_lm / "pretrain_gpt.py"
-    if not script.is_file():
-        print(f"weight_streaming: no pretrain_gpt.py in {args.megatron_lm}", file=sys.stderr)
+    base = client(args, "weight_streaming")
+    if base is None:
         return 2
-    args.out.mkdir(parents=True, exist_ok=True)
-    base = ["-m", "megatron_offload.run", str(script), "--config", args.config, *RECOMPUTE, *shlex.split(args.extra)]
     results: dict[str, Any] = {}
     for interval in args.log_intervals:  # --log-intervals with no value: none of these rows
         tail = ["--train-iters", str(args.train_iters), "--log-interval", str(interval), "--timing-log-level", "1"]

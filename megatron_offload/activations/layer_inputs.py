@@ -62,7 +62,6 @@ class Saved:
     host: HostSlab | None = None
     returns: weakref.finalize | None = None  # gives ``host`` back if the pass's backward never runs
     arrived: Event | None = None  # the copy back into ``gpu`` is done
-    slot: int | None = None
     used: bool = False
 
 
@@ -166,7 +165,7 @@ class LayerInputOffloader:
     def _fetch(self, saved: Saved) -> None:
         index = self._slot_for(saved.nbytes)
         slot = self._slots[index]
-        slot.holder, saved.slot = saved, index
+        slot.holder = saved
         target = slot.buffer[: saved.nbytes]
         # After the mark that freed the slot: the recompute and backward that read it are done first.
         _, saved.arrived = self.streams.copy(PREFETCH, [(target, saved.host.tensor)], slot.free_after)

@@ -26,7 +26,15 @@ from megatron_offload.activations.chunked_loss import chunked_linear_cross_entro
 from megatron_offload.activations.layer_inputs import LayerInputOffloader
 from megatron_offload.core.streams import streams_for
 
-__all__ = ["LongContextHandle", "attach_chunked_loss", "attach_layer_input_offloader"]
+__all__ = [
+    "CHUNKED_LOSS_NEEDS",
+    "LongContextHandle",
+    "attach_chunked_loss",
+    "attach_layer_input_offloader",
+    "supports_output_processor",
+]
+
+CHUNKED_LOSS_NEEDS = "--chunked-loss needs megatron-core 0.19 or later (GPTModel's output_processor): upgrade it"
 
 
 @dataclass
@@ -100,6 +108,7 @@ def attach_layer_input_offloader(model_chunks: list[Any], handle: LongContextHan
 
 
 def supports_output_processor() -> bool:
+    """Whether this megatron-core's ``GPTModel.forward`` takes ``output_processor`` (0.19 and later)."""
     gpt_type, _, _ = _types()
     return "output_processor" in inspect.signature(gpt_type.forward).parameters
 
@@ -110,7 +119,7 @@ def attach_chunked_loss(model_chunks: list[Any], handle: LongContextHandle, chun
     model returns its logits as before."""
     gpt_type, _, _ = _types()
     if not supports_output_processor():
-        raise ValueError("--chunked-loss needs megatron-core 0.19 or later (GPTModel's output_processor)")
+        raise ValueError(CHUNKED_LOSS_NEEDS)
     models = [m for chunk in model_chunks for m in chunk.modules() if isinstance(m, gpt_type) and m.post_process]
     if not models:
         return  # a pipeline stage without the output layer: nothing to do

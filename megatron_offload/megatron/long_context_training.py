@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from megatron_offload.activations.layer_inputs import LayerInputStats
 from megatron_offload.core.units import GIB
 from megatron_offload.megatron.long_context_adapter import (
     LongContextHandle,
@@ -46,15 +47,17 @@ def describe(handle: LongContextHandle) -> str:
     return "megatron-offload: long context: " + "; ".join(parts)
 
 
-def layer_input_log_fields(handle: LongContextHandle, before: Any, steps: int = 1) -> tuple[str, Any]:
+def layer_input_log_fields(
+    handle: LongContextHandle, before: LayerInputStats | None, steps: int = 1
+) -> tuple[str, LayerInputStats | None]:
     """Megatron log-line fields since ``before`` (a previous ``read_stats``), and the new reading."""
     if handle.layer_inputs is None:
         return "", before
-    now = handle.layer_inputs.read_stats()
+    now, before = handle.layer_inputs.read_stats(), before or LayerInputStats()
     per = max(steps, 1)
-    out = (now.bytes_out - (before.bytes_out if before else 0)) / per / GIB
-    back = (now.bytes_in - (before.bytes_in if before else 0)) / per / GIB
-    exposed = (now.exposed_ms - (before.exposed_ms if before else 0.0)) / per
+    out = (now.bytes_out - before.bytes_out) / per / GIB
+    back = (now.bytes_in - before.bytes_in) / per / GIB
+    exposed = (now.exposed_ms - before.exposed_ms) / per
     fields = (
         f" layer inputs out/in per iter (GiB): {out:.2f}/{back:.2f} | layer inputs exposed (ms): {exposed:.1f} |"
         f" layer inputs host (GiB): {now.host_bytes / GIB:.2f} |"

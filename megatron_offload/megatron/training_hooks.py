@@ -60,6 +60,7 @@ from megatron_offload.config.long_context_flags import layer_input_bytes_per_ran
 from megatron_offload.core.gpu_memory import apply_memory_cap, gpu_only, use_expandable_segments_by_default
 from megatron_offload.core.host_memory import HostMemoryError, check_host_room
 from megatron_offload.megatron.adam_resume import fix_torch_adam_checkpoints
+from megatron_offload.megatron.long_context_adapter import CHUNKED_LOSS_NEEDS, supports_output_processor
 from megatron_offload.megatron.long_context_training import attach_long_context, layer_input_log_fields
 from megatron_offload.megatron.long_context_training import describe as describe_long_context
 from megatron_offload.megatron.optimizer_adapter import OffloadHandle, attach_offloader
@@ -238,6 +239,8 @@ def install_training_hooks() -> None:
         _refuse_bad_flags(check_offload_combinations, args)  # before Megatron's assertions and dump
         result = validate_args(args, *rest, **kwargs)
         _refuse_bad_flags(validate_offload_args, args)
+        if getattr(args, "chunked_loss", False) and not supports_output_processor():  # before the model is built
+            _stop(f"megatron-offload: {CHUNKED_LOSS_NEEDS}")
         which = which_offloader(args)
         if which:
             _print_once(which)

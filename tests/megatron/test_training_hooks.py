@@ -357,3 +357,19 @@ def test_the_cap_validation_applies_is_the_runs_for_the_weights_build(
     parse_and_validate(megatron, monkeypatch, "--offload-gpu-memory-cap-gib", "20")
     assert applied == [(20.0, 0)] and current_run().gpu_memory_cap_bytes == 7
     assert "megatron-offload: GPU memory capped at 20 GiB per process" in capsys.readouterr().out
+
+
+def test_chunked_loss_on_a_megatron_core_without_output_processor_is_refused_in_validation(
+    megatron: types.ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before the model is built, in one line (the version probe is stood in: the CPU venv's megatron-core
+    may be either side of 0.19)."""
+    from megatron_offload.megatron import long_context_adapter
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(megatron_training, "supports_output_processor", lambda: False)
+    with pytest.raises(SystemExit) as exit_:
+        parse_and_validate(megatron, monkeypatch, "--chunked-loss")
+    (line,) = capsys.readouterr().err.splitlines()
+    assert exit_.value.code == 2
+    assert line == f"megatron-offload: {long_context_adapter.CHUNKED_LOSS_NEEDS}"
