@@ -56,6 +56,10 @@ def main() -> int:
         help="Megatron's --deterministic-mode in every row (attention's backward without atomics): for bitwise rows",
     )
     parser.add_argument("--longest", type=int, nargs=2, metavar=("MIN", "MAX"), default=None)
+    parser.add_argument(
+        "--longest-flags", nargs="*", default=["today", "new"], choices=["today", "new"],
+        help="which flag sets --longest searches (a search per set, from MIN up)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("long-context"))
     args = parser.parse_args()
     base = client(args, "long_context")
@@ -78,6 +82,8 @@ def main() -> int:
     if args.longest:
         low, high = args.longest
         for label, flags in (("today", TODAY), ("new", NEW)):
+            if label not in args.longest_flags:
+                continue
             seq = low
             while seq <= high:
                 tail = [*sequence(seq), *batch, "--train-iters", "2"]
