@@ -8,7 +8,7 @@ micro-batch 1, ``--seq-length`` = ``--max-position-embeddings`` = ``--seq``):
 - ``today, cap C``: weights and state streamed with the local spec and the full logits (what fitted
   before), under the same cap: expected to run out of memory;
 - ``no offload``: the same spec, loss and recompute as ``new``, uncapped (needs a GPU large enough);
-- ``--longest``: each power-of-two sequence from ``--longest MIN MAX``, two iterations, with today's and
+- ``--longest``: each power-of-two sequence from ``--longest MIN MAX``, three iterations, with today's and
   the new flags under the cap: the longest that trains.
 Each JSON row keeps ``argv``, ``returncode``, ``parameters``, time, peak reserved memory, the losses and
 its ratio to ``no offload``.
@@ -86,7 +86,7 @@ def main() -> int:
                 continue
             seq = low
             while seq <= high:
-                tail = [*sequence(seq), *batch, "--train-iters", "2"]
+                tail = [*sequence(seq), *batch, "--train-iters", "3"]  # 3: the configs warm up for 2
                 figures = row(f"longest-{label}-{seq}", [*base, *flags, *capped, *tail], args.out)
                 results[f"longest {label} {seq}"] = figures | {"seq": seq}
                 if figures.get("returncode") != 0:
