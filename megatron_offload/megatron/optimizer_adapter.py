@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from megatron_offload.config.options import OffloadConfig, PrefetchPolicy
+from megatron_offload.config.options import AUTO, OffloadConfig, PrefetchPolicy
 from megatron_offload.core.gpu_memory import apply_memory_cap, expandable_segments_from_now, memory_limit_bytes
 from megatron_offload.core.stats import OffloadStats
 from megatron_offload.core.units import GIB, MIB
@@ -36,7 +36,7 @@ from megatron_offload.megatron.optimizer_internals import (
 from megatron_offload.megatron.pacing import PrefetchDuringBackward, RoomForForward
 from megatron_offload.optimizer_state import streamed_step
 from megatron_offload.optimizer_state.offloader import OptimizerStateOffloader
-from megatron_offload.optimizer_state.scheduler import Peaks, StateScheduler
+from megatron_offload.optimizer_state.scheduler import Peaks, StateScheduler, whole_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -83,14 +83,15 @@ class OffloadHandle:
         self.offloaders: list[OptimizerStateOffloader] = []
         self.streamed = True  # every DistributedOptimizer runs the streamed step (else: whole state back)
         self.in_step = False  # True while optimizer.step() runs
-        self.auto_fraction = config.fraction == "auto"
+        # The default (fraction "auto"): keep what fits under the limit. `step` with it: keep nothing.
+        self.elastic = config.fraction == AUTO and config.prefetch is not PrefetchPolicy.STEP
+        self.keeps_none = config.fraction == AUTO and not self.elastic
         self.on_cuda = torch.cuda.is_available()
         device = torch.cuda.current_device() if self.on_cuda else None
         self.scheduler = StateScheduler(lambda: memory_limit_bytes(device, config.gpu_memory_cap_bytes))
         self.say: Callable[[str], None] = logger.info  # the Megatron hooks print on the first rank instead
         self.hook_waits = 0
         self.step_backlog_bytes = 0
-        self._chosen: int | None = None  # kept bytes chosen (`auto`) or checked (a fixed fraction) last
         self._pacer: PrefetchDuringBackward | None = None
         self._room: RoomForForward | None = None
         self._wrapped: list[tuple[Any, str, Any]] = []  # (object, attribute, what was there before)
@@ -134,12 +135,13 @@ class OffloadHandle:
         return sum(offloader.kept_bytes for offloader in self.offloaders)
 
     def evict(self, nbytes: int) -> int:
-        """Offload kept state now (memory ran short in the forward); ``auto`` re-chooses at the next step."""
+        """Offload kept state now (memory ran short in the forward); it stays offloaded: the decision
+        is lowered to what is still kept."""
         started = 0
         for offloader in self.offloaders:
             if started < nbytes:
                 started += offloader.evict(nbytes - started)
-        self._chosen = None
+        self.scheduler.lower([offloader.kept_bytes for offloader in self.offloaders])
         return started
 
     def step_footprint(self) -> int:
@@ -163,60 +165,52 @@ class OffloadHandle:
 
     # ------------------------------------------------------------------------------ scheduling
     def _before_step(self) -> None:
-        """Gradients are ready, forward and backward done: learn their peaks. ``auto`` chooses what stays;
-        a fixed fraction is checked once against what the limit leaves (iteration 1 ran with nothing
-        kept, so no out-of-memory error can come first)."""
+        if self.on_cuda:
+            self.scheduler.start_step()  # the limit, read once for this iteration
+
+    def _after_step(self, stepped: bool) -> None:
+        """The state has left the step: learn the peaks (iteration 1's, with all state offloaded, are what
+        training needs without it), decide what stays once (lowered if the peak grows), then wait until
+        no more is pending than the next forward has room for."""
         if not self.on_cuda:
             return
+        brought = self._pacer.brought if self._pacer is not None else 0
         peaks = Peaks(torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
-        grew = self.scheduler.observe_step_start(peaks, on_gpu_at_peak=self.kept_bytes())
-        if self._chosen is not None and not (grew and self.auto_fraction):
-            return
-        state = sum(offloader.plan.full_bytes() for offloader in self.offloaders)
-        budget = self.scheduler.kept_budget(state)
-        if not self.auto_fraction:
-            # The fraction becomes bytes here, once: the plan says how many bytes the state has.
-            kept = self._keep(round((1.0 - self.config.fraction) * state))
-            if kept > budget:
-                self._keep(0)  # nothing stays: the state is whole in host memory
-                least = 1.0 - budget / state
-                raise OffloadFitError(
-                    f"megatron-offload: --offload-fraction {self.config.fraction:g} keeps {kept / GIB:.2f} GiB of "
-                    f"optimizer state on the GPU, but the memory limit ({self.scheduler.limit() / GIB:.2f} GiB) leaves "
-                    f"{budget / GIB:.2f} GiB beside what training needs without it "
-                    f"({self.scheduler.natural.reserved / GIB:.2f} GiB reserved at its peak): use --offload-fraction "
-                    f"auto (keeps what fits), --offload-fraction {min(1.0, least + 0.005):.2f} or more, or "
-                    "--offload-prefetch step. The optimizer state is whole in host memory."
-                )
-        else:
-            kept = self._keep(budget)
-            self.say(self.scheduler.explain(kept, state))
-        self._chosen = kept
-
-    def _keep(self, nbytes: int) -> int:
-        """Keep ``nbytes`` of state on the GPU, split across the offloaders in proportion to their state
-        (whole bytes, none lost in the split); returns the bytes they keep, each within half a chunk of
-        its share. The same as one fraction for all of them, as before, except where a share lands
-        within a byte of a chunk's middle: there the fraction's float and the share's rounding may differ."""
-        sizes = [offloader.plan.full_bytes() for offloader in self.offloaders]
-        state, before, kept = sum(sizes), 0, 0
-        for offloader, size in zip(self.offloaders, sizes, strict=True):
-            share = (nbytes * (before + size) // state - nbytes * before // state) if state else 0
-            before += size
-            kept += offloader.keep_bytes(share)
-        return kept
-
-    def _after_step(self) -> None:
-        """The state has left the step: wait until no more is pending than the next forward has room for."""
-        if not self.on_cuda or not self.scheduler.learned:
-            return
+        grew = self.scheduler.observe_step_end(peaks, resident=self.kept_bytes() + brought)
+        if stepped and (grew or self.scheduler.kept is None):
+            self._decide()
         budget = self.scheduler.backlog_budget(self.kept_bytes())
         self.step_backlog_bytes = self.pending_offload_bytes()
         if self.step_backlog_bytes > budget:
             # On the host: the next forward needs this memory, and only a landed copy frees it. Only
             # under a limit too tight for copies to overlap the forward (uncapped, the budget is large).
             self.drain_offloads(self.step_backlog_bytes - budget)
-        self.scheduler.observe_step_end(Peaks(torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
+
+    def _decide(self) -> None:
+        """What stays on the GPU, in bytes, by the scheduler: what fits (the default), nothing (``step``),
+        or a fixed fraction's share, refused in one line when it does not fit."""
+        sizes = [offloader.full_sizes() for offloader in self.offloaders]
+        state, first = sum(map(sum, sizes)), self.scheduler.kept is None
+        at_most = None if self.elastic else 0 if self.keeps_none else int((1.0 - self.config.fraction) * state)
+        if first and at_most:
+            wanted, room = sum(whole_chunks(at_most, sizes)), self.scheduler.room()
+            if wanted > room:
+                for offloader in self.offloaders:
+                    offloader.keep_bytes(0)  # nothing stays: the state is whole in host memory
+                raise OffloadFitError(
+                    f"megatron-offload: --offload-fraction {self.config.fraction:g} keeps {wanted / GIB:.2f} GiB of "
+                    f"optimizer state on the GPU, but the memory limit ({self.scheduler.limit() / GIB:.2f} GiB) leaves "
+                    f"{room / GIB:.2f} GiB beside what training needs without it "
+                    f"({self.scheduler.natural.reserved / GIB:.2f} GiB reserved at its peak): leave "
+                    f"--offload-fraction out (keeps what fits), give {min(1.0, 1 - room / state + 0.005):.2f} or more, "
+                    "or use --offload-prefetch step. The optimizer state is whole in host memory."
+                )
+        before = self.scheduler.kept
+        kept = self.scheduler.decide(sizes, at_most)
+        for offloader, nbytes in zip(self.offloaders, kept, strict=True):
+            offloader.keep_bytes(nbytes)
+        if self.elastic and kept != before:
+            self.say(self.scheduler.explain(state))
 
     def read_stats(self) -> OffloadStats:
         """Totals over every DistributedOptimizer on this rank (the peaks are the device's)."""
@@ -280,23 +274,26 @@ class OffloadHandle:
         def step_with_offload(*args: Any, **kwargs: Any) -> Any:
             if self.in_step:
                 raise RuntimeError("megatron-offload: optimizer.step() called again from inside a step")
-            self.in_step = True
+            self.in_step, stepped = True, False
             try:
                 self._before_step()
                 if not self.streamed:
                     self.prefetch()  # the whole state, before megatron-core assigns the masters' grads
-                    return step(*args, **kwargs)
-                with contextlib.ExitStack() as stack:
-                    for offloader in self.offloaders:
-                        stack.enter_context(offloader.params_on_device())
-                    return step(*args, **kwargs)
+                    result = step(*args, **kwargs)
+                else:
+                    with contextlib.ExitStack() as stack:
+                        for offloader in self.offloaders:
+                            stack.enter_context(offloader.params_on_device())
+                        result = step(*args, **kwargs)
+                stepped = True
+                return result
             finally:
                 # Successful, skipped or failed: the state leaves in one piece, never half-way; its copies
                 # start at the next points of the loop, a few at a time.
                 for offloader in self.offloaders:
                     offloader.offload(now=False)
                     offloader.copies.pump()
-                self._after_step()
+                self._after_step(stepped)
                 self._install_finalize_hooks()
                 for hooks in (self._pacer, self._room):
                     if hooks is not None:
@@ -339,8 +336,8 @@ def attach_offloader(optimizer: Any, config: OffloadConfig | None = None, **over
                 keep_state_keys=keep,
                 chunk_bytes=int(config.chunk_mb * MIB),
                 # Everything leaves until iteration 1 has shown what training needs without state: then
-                # `auto` chooses what stays, and a fixed fraction is checked against the limit.
-                fraction=1.0 if handle.auto_fraction or handle.on_cuda else config.fraction,
+                # the scheduler decides what stays (a fixed fraction is checked against the limit).
+                fraction=1.0 if config.fraction == AUTO or handle.on_cuda else config.fraction,
                 pin_memory=config.pin_memory,
                 check_host_memory=config.check_host_memory,
             )

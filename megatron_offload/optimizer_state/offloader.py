@@ -71,7 +71,7 @@ class OptimizerStateOffloader(PlannedState, ChunkCopies):
         self.keep_state_keys = frozenset(keep_state_keys)
         self.chunk_bytes = chunk_bytes
         self.fraction = fraction
-        self.kept_goal = None  # set by keep_bytes (the scheduler's bytes), then used over fraction
+        self.kept_goal: int | None = None  # bytes to keep (keep_bytes, evict), then used over fraction
         self.pin_memory = pin_memory
         self.check_host_memory = check_host_memory
         self.stats = OffloadStats()
@@ -93,19 +93,22 @@ class OptimizerStateOffloader(PlannedState, ChunkCopies):
 
     # ----------------------------------------------------------------------- whole-state moves
     def evict(self, nbytes: int) -> int:
-        """Offload kept chunks on the GPU, from the front, until ``nbytes`` are under way (memory ran
-        short); they stay offloaded. Returns the bytes queued."""
-        started = 0
+        """Keep ``nbytes`` less on the GPU (memory ran short): kept chunks from the front of the kept run
+        leave now (those on the GPU are queued out) until that many are no longer kept. What stays kept is
+        the goal from now on, in later plans too, so nothing brings them back. Returns the bytes let go."""
+        released = 0
         for chunk in self.chunks:
-            if started >= nbytes:
+            if released >= nbytes:
                 break
-            if chunk.kept and chunk.on_gpu:
+            if chunk.kept:
                 chunk.kept = False
-                self.queue_offload(chunk)
-                started += chunk.nbytes
+                released += chunk.nbytes
+                if chunk.on_gpu:
+                    self.queue_offload(chunk)
         self.count_plan()
+        self.kept_goal = self.kept_bytes
         self.copies.flush()
-        return started
+        return released
 
     @torch.no_grad()
     def offload(self, now: bool = True) -> None:

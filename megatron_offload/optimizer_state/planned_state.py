@@ -111,27 +111,33 @@ class PlannedState:
             self._refresh_plan()
 
     def set_fraction(self, fraction: float) -> None:
-        """Offload this share of the state from now on (whole chunks from the front): chunks no longer
-        kept leave at the next ``offload()``; newly kept ones come back through the next step and stay."""
+        """Offload at least this share of the state from now on: whole chunks at the back stay, within
+        the rest (rounded down); chunks no longer kept leave at the next ``offload()``, newly kept ones
+        come back through the next step and stay."""
         self.fraction, self.kept_goal = fraction, None
         self._mark_kept()
 
     def keep_bytes(self, nbytes: int) -> int:
-        """Keep about ``nbytes`` of the state on the GPU from now on, in this plan and later ones (whole
-        chunks from the back: ``plan.kept_from_bytes``); moves as ``set_fraction`` does. Returns the bytes
-        kept, counting the moments Adam's first step will add (the sizes it split by)."""
+        """Keep at most ``nbytes`` of the state on the GPU from now on, in this plan and later ones: the
+        longest run of whole chunks at the back that fits (``plan.kept_from_bytes``); moves as
+        ``set_fraction`` does. Returns the bytes kept, counting the moments Adam's first step will add."""
         self.kept_goal = nbytes
         self._mark_kept()
         return self.kept_bytes
 
+    def full_sizes(self) -> list[int]:
+        """Each chunk's size once Adam's first step has added the moments, in step order."""
+        return [max(c.nbytes, c.expected) for c in self.chunks]
+
     def _first_kept(self, sizes: list[int]) -> int:
-        """Index of the first kept chunk: by the bytes decided last, else by the fraction."""
-        if self.kept_goal is None:
-            return planning.kept_from(sizes, self.fraction)
-        return planning.kept_from_bytes(sizes, self.kept_goal)
+        """Index of the first kept chunk: by the bytes decided last, else by the fraction, in bytes."""
+        goal = self.kept_goal
+        if goal is None:
+            goal = int((1.0 - self.fraction) * sum(sizes))
+        return planning.kept_from_bytes(sizes, goal)
 
     def _mark_kept(self) -> None:
-        first_kept = self._first_kept([max(c.nbytes, c.expected) for c in self.chunks])
+        first_kept = self._first_kept(self.full_sizes())
         for chunk in self.chunks:
             chunk.kept = chunk.index >= first_kept
         self.count_plan()

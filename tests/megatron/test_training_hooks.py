@@ -136,9 +136,9 @@ def test_a_config_file_turns_megatron_switches_off_and_ignored_flags_are_named(
 ) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     config = tmp_path / "run.yaml"
-    config.write_text("use-distributed-optimizer: false\noffload-fraction: auto\n")
+    config.write_text("use-distributed-optimizer: false\noffload-fraction: 0.5\n")
     args = parse_and_validate(megatron, monkeypatch, *expand_config_argv(["--config", str(config)]))
-    assert args.use_distributed_optimizer is False and args.offload_fraction == "auto"
+    assert args.use_distributed_optimizer is False and args.offload_fraction == 0.5
     out = capsys.readouterr().out
     assert "megatron-offload: --offload-fraction has no effect without --offload-optimizer-states\n" in out
     assert MEGATRON_DUMP in out  # a working combination: Megatron's validation ran
