@@ -67,8 +67,8 @@ class OffloadConfig:
     """Refuse to start when the node's host memory cannot hold every rank's offloaded state."""
     gpu_memory_cap_gib: float | None = None
     """Let this process use at most this many GiB of GPU memory, as on a GPU that small, and decide what
-    stays on the GPU against it; None: the GPU as it is (its own memory is the limit). ``attach_offloader`` applies it (the launcher
-    applies it earlier, before the model is built, so that everything counts against it)."""
+    stays on the GPU against it; None: the GPU's own memory is the limit. ``attach_offloader`` applies it
+    (the launcher applies it earlier, before the model is built, so that everything counts against it)."""
 
     def __post_init__(self) -> None:
         cap = self.gpu_memory_cap_gib
