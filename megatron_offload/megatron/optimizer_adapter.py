@@ -212,6 +212,14 @@ class OffloadHandle:
         if self.elastic and kept != before:
             self.say(self.scheduler.explain(state))
 
+    def smallest_footprint_note(self, peak_reserved: int, asked: int) -> str | None:
+        """Where no state was on the GPU when memory ran out (the smallest footprint did not fit): what
+        training needs without it and the limit, measured; else None (keeping less would have helped)."""
+        if self.kept_bytes() or any(o.offloaded_bytes < o.plan.host_bytes for o in self.offloaders):
+            return None
+        state = sum(offloader.plan.full_bytes() for offloader in self.offloaders)
+        return self.scheduler.too_small(peak_reserved, asked, state)
+
     def read_stats(self) -> OffloadStats:
         """Totals over every DistributedOptimizer on this rank (the peaks are the device's)."""
         total = OffloadStats()
