@@ -111,25 +111,28 @@ class OptimizerStateOffloader(PlannedState, ChunkCopies):
         return released
 
     @torch.no_grad()
-    def offload(self, now: bool = True) -> None:
+    def offload(self, now: bool = True, kept_too: bool = False) -> None:
         """Queue every chunk on the GPU that is not kept to leave; ``now``: start every copy at once
-        (``False``: the training loop's points start them, a few at a time). A new set of state tensors
-        (a load replaced them) gets a new plan first."""
+        (``False``: the training loop's points start them, a few at a time); ``kept_too``: kept chunks
+        leave as well and stay kept (a sleep: the next step brings them back). A new set of state
+        tensors (a load replaced them) gets a new plan first."""
         if not self.plan_is_current():
             self._refresh_plan()
-        queued = self.queue_out()
+        queued = self.queue_out(kept_too)
         if now:
             self.copies.flush()
         if queued:
             self.count_step()
 
-    def queue_out(self) -> bool:
-        """Queue every chunk on the GPU that is not kept and not leaving yet, on the plan as it stands
-        (copies back that never started are dropped: those chunks stay on the host). True if any was."""
+    def queue_out(self, kept_too: bool = False) -> bool:
+        """Queue every chunk on the GPU that is not kept (``kept_too``: every chunk) and not leaving yet,
+        on the plan as it stands (copies back that never started are dropped: those chunks stay on the
+        host). True if any was."""
         for copy in self.copies.queued(PREFETCH):
-            if not copy.chunk.kept:
+            if kept_too or not copy.chunk.kept:
                 self._cancel(copy)
-        leaving = [chunk for chunk in self.chunks if chunk.on_gpu and not chunk.kept and not self._leaving(chunk)]
+        going = [chunk for chunk in self.chunks if kept_too or not chunk.kept]
+        leaving = [chunk for chunk in going if chunk.on_gpu and not self._leaving(chunk)]
         for chunk in leaving:
             self.queue_offload(chunk)
         return bool(leaving)
