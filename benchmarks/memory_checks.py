@@ -5,12 +5,14 @@ The rows (compare_memory.RUN_FLAGS): ``baseline`` (no offload), ``step`` (the sm
 ``--offload-prefetch step``), ``capped-no-offload`` (no offload under the cap, which must run out of memory)
 and ``capped-default`` (``--offload-optimizer-states`` alone under the same cap, which must fit).
 
-A row's floor: X bytes of state leave the GPU after the step and must be off before the first micro-batch's
-forward reaches its activation peak (they come back during the last backward, into memory it frees). At best
-the iteration then takes the baseline's time plus max(0, X / link - first forward), the link measured in the
-same row (the offloader's logged bytes over its logged copy-out time), the first forward a third of one
-micro-batch's share of the baseline's iteration (benchmarks/memory_speed_curve.py's floor). A row passes
-when its median step time is at most its floor times (1 + max_time_over_floor).
+A row's floor: X bytes of state (the row's logged offloaded bytes) cross out and back each iteration, each
+way over the link the row itself measured (X over its logged copy-out or copy-in time). Out, they leave after
+the step and can hide behind the first micro-batch's forward, before its activation peak; back, the default
+brings them during the last micro-batch's backward (hidden behind it, into memory it frees), while ``step``
+brings them only into the step, hidden behind nothing. With a micro-batch's forward a third of its share of
+no offload's iteration and its backward two thirds: floor = no offload's step time + max(0, X / out link -
+forward) + max(0, X / in link - hidden return). A row passes when its median step time is at most its floor
+times (1 + max_time_over_floor).
 """
 
 from __future__ import annotations
@@ -22,11 +24,11 @@ from typing import Any
 import yaml
 
 from benchmarks.memory_report import GIB, RunLog, RunSummary, number
-from benchmarks.memory_speed_curve import floor_ratio
 
 GB = 1e9
 CAP_FLAG = "--offload-gpu-memory-cap-gib"
 OFFLOAD_ROWS = ("step", "capped-default")  # the rows that move state, with a floor and bitwise losses
+RETURN_HIDDEN = {"step": False, "capped-default": True}  # whether the state's return overlaps the last backward
 
 
 @dataclass(frozen=True)
@@ -88,17 +90,23 @@ class Check:
     detail: str = ""
 
 
-def floor_of(row: RunSummary, base: RunSummary, base_log: RunLog) -> dict[str, float | None]:
-    """A row's floor (module docstring): the bytes that crossed, the link, the hidden forward, the floor ms."""
+def floor_of(name: str, row: RunSummary, base: RunSummary, base_log: RunLog) -> dict[str, float | None]:
+    """A row's floor (module docstring): the bytes that crossed, each way's link, the hidden compute, the floor."""
     crossed = (row.offloaded_gib or 0.0) * GIB
-    link = crossed / (row.copy_out_ms * 1e-3) / GB if crossed and row.copy_out_ms else None
-    parts = micro_batches(base_log)
-    if base.median_step_ms is None or parts is None or (crossed and link is None):
-        return {"crossed_gib": crossed / GIB, "link_gbps": link, "first_forward_ms": None, "floor_ms": None}
+
+    def link(ms: float | None) -> float | None:  # GB/s
+        return crossed / (ms * 1e-3) / GB if crossed and ms else None
+
+    out, back, parts = link(row.copy_out_ms), link(row.copy_in_ms), micro_batches(base_log)
+    floor: dict[str, float | None] = {"crossed_gib": crossed / GIB, "link_out_gbps": out, "link_in_gbps": back}
+    if base.median_step_ms is None or parts is None or (crossed and (out is None or back is None)):
+        return floor | {"forward_ms": None, "return_hidden_ms": None, "floor_ms": None}
     forward = base.median_step_ms / parts / 3
-    ratio = floor_ratio(crossed, link, forward, base.median_step_ms) if crossed and link else 1.0
-    return {"crossed_gib": crossed / GIB, "link_gbps": link, "first_forward_ms": forward,
-            "floor_ms": ratio * base.median_step_ms}  # fmt: skip
+    hidden = 2 * forward if RETURN_HIDDEN[name] else 0.0
+    exposed = 0.0
+    if crossed and out and back:
+        exposed = max(0.0, crossed / (out * GB) * 1e3 - forward) + max(0.0, crossed / (back * GB) * 1e3 - hidden)
+    return floor | {"forward_ms": forward, "return_hidden_ms": hidden, "floor_ms": base.median_step_ms + exposed}
 
 
 def loss_difference(baseline: RunLog, other: RunLog) -> str:
@@ -131,7 +139,7 @@ def evaluate(
     base, step = summaries["baseline"], summaries["step"]
     capped_none, capped = summaries["capped-no-offload"], summaries["capped-default"]
     state_gib = state_bytes / GIB if state_bytes else None
-    floors = {name: floor_of(summaries[name], base, logs["baseline"]) for name in OFFLOAD_ROWS}
+    floors = {name: floor_of(name, summaries[name], base, logs["baseline"]) for name in OFFLOAD_ROWS}
     checks = []
 
     name, share = "step_peak_saving", limits.min_step_peak_saving_of_state
@@ -165,9 +173,12 @@ def evaluate(
             continue
         limit = floor["floor_ms"] * (1 + limits.max_time_over_floor)
         floor["threshold_ms"] = limit
-        link = f"{floor['link_gbps']:.1f} GB/s" if floor["link_gbps"] else "no bytes crossed"
-        detail = (f"floor {floor['floor_ms']:.1f} ms: {floor['crossed_gib']:.2f} GiB at {link}, first forward "
-                  f"{floor['first_forward_ms']:.1f} ms, no offload {base.median_step_ms:.1f} ms")  # fmt: skip
+        links = (
+            f"out {floor['link_out_gbps']:.1f}, back {floor['link_in_gbps']:.1f} GB/s" if floor["crossed_gib"] else ""
+        )
+        detail = (f"floor {floor['floor_ms']:.1f} ms: no offload {base.median_step_ms:.1f} ms + "
+                  f"{floor['crossed_gib']:.2f} GiB {links or 'none moved'}, less forward {floor['forward_ms']:.1f} ms "
+                  f"and return hidden {floor['return_hidden_ms']:.1f} ms")  # fmt: skip
         checks.append(Check(name, f"<= {limit:.1f} ms", f"{ms:.1f} ms", ms <= limit, detail))
 
     if limits.losses_equal:

@@ -17,19 +17,21 @@ def _run_rows(report: dict[str, Any]) -> list[str]:
     base_ms = runs["baseline"]["summary"]["median_step_ms"]
     lines = [
         "| run | flags | status | median step ms | x no offload | floor ms | threshold ms | peak allocated GiB "
-        "| peak reserved GiB | offloaded GiB/rank | link GB/s | final loss |",
+        "| peak reserved GiB | offloaded GiB/rank | link out/back GB/s | final loss |",
         "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, run in runs.items():
         s, floor = run["summary"], floors.get(name, {})
         status = s["status"] if s["status"] == "ok" else f"{s['status']}: {s['detail']}".replace("|", "/")
         ratio = s["median_step_ms"] / base_ms if s["median_step_ms"] and base_ms else None
+        links = [floor.get("link_out_gbps"), floor.get("link_in_gbps")]
+        link = "—" if None in links else f"{links[0]:.1f}/{links[1]:.1f}"
         flags = " ".join(run.get("flags", [])) or "—"
         lines.append(
             f"| {name} | `{flags}` | {status} | {_cell(s['median_step_ms'], '.1f')} | {_cell(ratio, '.3f')} | "
             f"{_cell(floor.get('floor_ms'), '.1f')} | {_cell(floor.get('threshold_ms'), '.1f')} | "
             f"{_cell(s['peak_gib'], '.2f')} | {_cell(s['max_reserved_gib'], '.2f')} | "
-            f"{_cell(s['offloaded_gib'], '.2f')} | {_cell(floor.get('link_gbps'), '.1f')} | "
+            f"{_cell(s['offloaded_gib'], '.2f')} | {link} | "
             f"{_cell(s['final_loss'], '.6E')} |"
         )
     return lines
@@ -52,9 +54,10 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         *_run_rows(report),
         "",
-        "A row's floor: no offload's step time plus the time its offloaded bytes take over the link it "
-        "measured, less the first micro-batch's forward they can hide behind; its threshold: the floor "
-        f"times {1 + report['thresholds']['max_time_over_floor']:g}.",
+        "A row's floor: no offload's step time plus the time its offloaded bytes take out and back over the "
+        "links it measured, less the compute each way can hide behind (out: the first micro-batch's forward; "
+        "back: the last backward for the default, nothing for step, which brings the state back in the step); "
+        f"its threshold: the floor times {1 + report['thresholds']['max_time_over_floor']:g}.",
         "",
         "## Checks",
         "",

@@ -78,10 +78,14 @@ def test_passing_logs_exit_0_and_write_the_report(tmp_path: Path, capsys: pytest
     assert report["state_bytes"] == 12 * PARAMETERS
     assert report["measured"]["cap_gib"] == 35.08
     step = report["measured"]["floors"]["step"]
-    # 8.18 GiB out in 159 ms: 55.3 GB/s; less a third of a quarter of no offload's 600.15 ms
-    assert step["link_gbps"] == pytest.approx(8.18 * 2**30 / 0.159 / 1e9, rel=0.002)
-    assert step["first_forward_ms"] == pytest.approx(600.15 / 4 / 3)
-    assert step["floor_ms"] == pytest.approx(600.15 + 159 - 600.15 / 12, abs=0.5)
+    # 8.18 GiB out in 159 ms (55.3 GB/s), less a forward: a third of a quarter of no offload's 600.15 ms;
+    # back in 158 ms, hidden behind nothing (step brings the state back in the step)
+    assert step["link_out_gbps"] == pytest.approx(8.18 * 2**30 / 0.159 / 1e9, rel=0.002)
+    assert step["forward_ms"] == pytest.approx(600.15 / 4 / 3) and step["return_hidden_ms"] == 0
+    assert step["floor_ms"] == pytest.approx(600.15 + 159 - 600.15 / 12 + 158, abs=1)
+    capped = report["measured"]["floors"]["capped-default"]  # its 80.5 ms return hides behind the last backward
+    assert capped["return_hidden_ms"] == pytest.approx(2 * 600.15 / 12)
+    assert capped["floor_ms"] == pytest.approx(600.15 + 81 - 600.15 / 12, abs=0.5)
     assert step["threshold_ms"] == pytest.approx(step["floor_ms"] * 1.1)
     runs = report["runs"]
     assert runs["step"]["flags"] == ["--offload-optimizer-states", "--offload-prefetch", "step"]
@@ -91,9 +95,7 @@ def test_passing_logs_exit_0_and_write_the_report(tmp_path: Path, capsys: pytest
     cpu = runs["cpu-offload"]["summary"]
     assert cpu["status"] == "not available" and "No module named 'transformer_engine'" in cpu["detail"]
     markdown = (folder / "report.md").read_text()
-    assert "| step | `--offload-optimizer-states --offload-prefetch step` | ok | 732.5 | 1.221 | 709.0 | 779.9 |" in (
-        markdown
-    )
+    assert "| step | `--offload-optimizer-states --offload-prefetch step` | ok | 884.3 | 1.473 | 867." in markdown
     assert "| capped_default_fits | ran through, peak reserved <= 35.08 GiB | 34.50 GiB | PASS |" in markdown
     assert "12 bytes x 732,257,280 parameters per model-parallel rank" in markdown
 
@@ -123,19 +125,22 @@ def test_each_check_fails_on_its_own(
 def test_step_time_over_the_floor_fails_and_a_slower_link_raises_the_floor(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The threshold follows the link the same run measured: 800 ms fails at 159 ms a copy (floor 709 ms)
-    and passes where the copies took 318 ms (floor 868 ms): the time is held to physics, not to a past run."""
-    slow = {"step": ("elapsed time per iteration (ms): 73", "elapsed time per iteration (ms): 80")}
+    """The threshold follows the link the same run measured: 1030 ms fails at 159 ms a copy each way (floor
+    867 ms, threshold 954) and passes where they took 318 ms (floor 1186 ms): the time is held to the link,
+    not to a past run."""
+    slow = {"step": ("elapsed time per iteration (ms): 88", "elapsed time per iteration (ms): 103")}
     code, out, report = verdict(logs_dir(tmp_path, **slow), capsys)
     assert code == 1 and failing(report) == ["step_time_step"]
-    assert report["measured"]["floors"]["step"]["floor_ms"] == pytest.approx(709.0, abs=0.1)
+    assert report["measured"]["floors"]["step"]["floor_ms"] == pytest.approx(867.5, abs=1)
     (tmp_path / "slow_link").mkdir()
     folder = logs_dir(tmp_path / "slow_link", **slow)
     log = folder / "step.log"
-    log.write_text(re.sub(r"copy out/in \(ms\): 1[56]\d\.\d", "copy out/in (ms): 318.0", log.read_text()))
+    log.write_text(
+        re.sub(r"copy out/in \(ms\): 1[56]\d\.\d/1[56]\d\.\d", "copy out/in (ms): 318.0/318.0", log.read_text())
+    )
     code, out, report = verdict(folder, capsys)
     assert code == 0, out
-    assert report["measured"]["floors"]["step"]["floor_ms"] == pytest.approx(600.15 + 318 - 50.01, abs=0.1)
+    assert report["measured"]["floors"]["step"]["floor_ms"] == pytest.approx(600.15 + 318 - 50.01 + 318, abs=0.1)
 
 
 def test_no_offload_that_fits_under_the_cap_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -206,7 +211,7 @@ def test_run_mode_streams_each_run_into_its_log(
     code = compare_memory.main(["--config", "configs/nightly_memory.yaml", "--out", str(out_dir), "--", "--seed", "7"])
     printed = capsys.readouterr()
     assert code == 0, printed.out
-    assert "[step] iteration 6/6 (733.4 ms)" in printed.err  # plain progress lines off a terminal
+    assert "[step] iteration 6/6 (883.4 ms)" in printed.err  # plain progress lines off a terminal
     info = json.loads((out_dir / "run_info.json").read_text())
     assert {name: run["returncode"] for name, run in info["runs"].items()} == {
         "baseline": 0, "step": 0, "capped-no-offload": 1, "capped-default": 0, "cpu-offload": 1,
