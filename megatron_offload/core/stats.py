@@ -5,10 +5,11 @@ Copy and wait times are read from CUDA events once they have completed, never by
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
-__all__ = ["OffloadStats", "Timing", "Timings"]
+__all__ = ["OffloadStats", "Timing", "Timings", "totals"]
 
 KINDS = ("offload", "prefetch", "exposed")  # copies out, copies back, the compute stream waiting for one
 
@@ -41,6 +42,22 @@ class OffloadStats:
     def offloaded_bytes(self) -> int:
         """State that leaves the GPU between steps."""
         return self.host_bytes - self.kept_bytes
+
+
+def totals(readings: Iterable[OffloadStats]) -> OffloadStats:
+    """Several offloaders' readings as one: counts of steps and the device's peaks are the largest, pinned
+    only if all are, every other figure summed."""
+    total = OffloadStats()
+    for stats in readings:
+        for field in fields(OffloadStats):
+            value = getattr(stats, field.name)
+            if field.name == "pinned":
+                total.pinned = total.pinned and value
+            elif field.name in ("offloads", "prefetches", "peak_allocated_bytes", "peak_reserved_bytes"):
+                setattr(total, field.name, max(getattr(total, field.name), value))
+            else:
+                setattr(total, field.name, getattr(total, field.name) + value)
+    return total
 
 
 class Timing(NamedTuple):

@@ -217,7 +217,8 @@ def _after_wait(method: Callable[..., Any], offloader: OptimizerStateOffloader, 
         try:
             return method(*args, **kwargs)
         finally:
-            offloader.plan_dirty = offloader.plan_dirty or replaces
+            if replaces:
+                offloader.state.replaced()
 
     return wait_then_call
 

@@ -25,7 +25,6 @@ __all__ = [
     "Entry",
     "Plan",
     "aligned",
-    "kept_from_bytes",
     "offloadable_tensors",
     "owns_its_storage",
     "runs",
@@ -222,16 +221,6 @@ def lay_out(cuts: list[Cut], slab: torch.Tensor, key: tuple, kept_from: int) -> 
         slab_used=start,
         loose_masters=any(param is None for piece in cuts for param, _, _ in piece),
     )
-
-
-def kept_from_bytes(sizes: list[int], kept_bytes: int) -> int:
-    """Index of the first chunk kept on the GPU, given each chunk's full size: the longest run of whole
-    chunks at the back whose sizes add up to no more than ``kept_bytes`` (rounded down, never over)."""
-    index, kept = len(sizes), 0
-    while index and kept + sizes[index - 1] <= kept_bytes:
-        index -= 1
-        kept += sizes[index]
-    return index
 
 
 def adopt_new_state(plan: Plan, chunk: Chunk, optimizer: torch.optim.Optimizer, keys: frozenset, slab) -> int:

@@ -38,7 +38,7 @@ def handle_with_room(
     """A handle on a stand-in GPU whose iteration 1 peaked at what leaves ``room`` bytes under the limit."""
     handle = OffloadHandle(object(), OffloadConfig(fraction=fraction, prefetch=prefetch))
     handle.on_cuda, handle.offloaders, handle.say = True, offloaders, handle_lines.append
-    handle.scheduler = StateScheduler(lambda: LIMIT)
+    handle.decision.scheduler = StateScheduler(lambda: LIMIT)
     peak = LIMIT - handle.scheduler.margin(LIMIT) - room
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: peak)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: peak)

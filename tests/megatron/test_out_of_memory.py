@@ -60,10 +60,12 @@ def test_everything_on_says_so() -> None:
 def test_the_launcher_prints_the_line_instead_of_a_traceback(tmp_path) -> None:
     """A script that runs out of memory through the launcher (no GPU needed: the error is raised as such)."""
     script = tmp_path / "pretrain_gpt.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import torch
         raise torch.OutOfMemoryError({ERROR!r})
-    """))
+    """)
+    )
     runner = textwrap.dedent(f"""
         import sys, torch
         import megatron_offload.run as run
@@ -95,7 +97,7 @@ def test_the_smallest_footprint_out_of_memory_says_what_training_needs_without_t
     )
     offloader.offload()
     handle = OffloadHandle(object(), OffloadConfig(gpu_memory_cap_gib=16))
-    handle.offloaders, handle.scheduler = [offloader], StateScheduler(lambda: 16 * GIB)
+    handle.offloaders, handle.decision.scheduler = [offloader], StateScheduler(lambda: 16 * GIB)
     args = megatron(offload_optimizer_states=True, recompute_granularity="full", offload_gpu_memory_cap_gib=16.0)
     monkeypatch.setattr(training_hooks, "attached_handles", lambda: [handle])
     monkeypatch.setattr(training_hooks, "parsed_megatron_args", lambda: args)

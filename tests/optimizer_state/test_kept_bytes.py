@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_offload import OptimizerStateOffloader
-from megatron_offload.optimizer_state import plan as planning
+from megatron_offload.optimizer_state.planned_state import kept_from_bytes
 
 LAYOUTS = [  # (parameter sizes, chunk bytes)
     ((37, 1000, 5, 300, 64, 700, 1), 2000),
@@ -68,16 +68,16 @@ def test_keeping_bytes_never_keeps_more_than_asked(sizes, chunk_bytes: int, step
 
 def test_kept_bytes_round_down_to_whole_chunks() -> None:
     sizes = [1024, 2048, 512]
-    assert planning.kept_from_bytes(sizes, 0) == 3
-    assert planning.kept_from_bytes(sizes, 511) == 3  # not even the last chunk fits
-    assert planning.kept_from_bytes(sizes, 512) == 2
-    assert planning.kept_from_bytes(sizes, 512 + 2047) == 2
-    assert planning.kept_from_bytes(sizes, 512 + 2048) == 1
-    assert planning.kept_from_bytes(sizes, 3583) == 1
-    assert planning.kept_from_bytes(sizes, 3584) == 0
-    assert planning.kept_from_bytes(sizes, 10**9) == 0
+    assert kept_from_bytes(sizes, 0) == 3
+    assert kept_from_bytes(sizes, 511) == 3  # not even the last chunk fits
+    assert kept_from_bytes(sizes, 512) == 2
+    assert kept_from_bytes(sizes, 512 + 2047) == 2
+    assert kept_from_bytes(sizes, 512 + 2048) == 1
+    assert kept_from_bytes(sizes, 3583) == 1
+    assert kept_from_bytes(sizes, 3584) == 0
+    assert kept_from_bytes(sizes, 10**9) == 0
     for kept in range(0, 3584 + 1, 64):
-        assert sum(sizes[planning.kept_from_bytes(sizes, kept) :]) <= kept
+        assert sum(sizes[kept_from_bytes(sizes, kept) :]) <= kept
 
 
 def test_eviction_is_not_undone_by_a_fraction_or_a_later_plan() -> None:
@@ -88,10 +88,11 @@ def test_eviction_is_not_undone_by_a_fraction_or_a_later_plan() -> None:
     before = offloader.kept_bytes
     offloader.evict(1)  # memory ran short: the front of the kept run leaves
     after = offloader.kept_bytes
-    assert 0 < after < before and offloader.kept_goal == after
+    assert 0 < after < before and offloader.state.kept_goal == after
     flags = kept_flags(offloader)
     assert flags == sorted(flags)
-    offloader.plan_dirty, offloader.plan.key = True, ("replaced",)  # a load: a new plan, the same goal
+    offloader.state.replaced()  # a load: a new plan, the same goal
+    offloader.plan.key = ("replaced",)
     offloader.offload()
     assert offloader.chunks and all(chunk.entries for chunk in offloader.chunks)
     assert offloader.kept_bytes == after
