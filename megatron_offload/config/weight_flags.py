@@ -17,6 +17,7 @@ from megatron_offload.config.refusals import Check, is_not, is_other_than, on, o
 __all__ = ["add_weight_args", "check_weight_flags"]
 
 FLAG = "--offload-weights"
+STEP_FLAG = "--offload-weights-step"
 
 
 def add_weight_args(group: argparse._ArgumentGroup) -> None:
@@ -28,6 +29,8 @@ def add_weight_args(group: argparse._ArgumentGroup) -> None:
         "full --recompute-method uniform --recompute-num-layers 1): trains models whose weights, gradients "
         "and optimizer state do not fit the GPU. The embedding and output layer stay on the GPU.",
     )
+    # Hidden: megatron-core's own step passes over host memory, to compare the streamed step against.
+    group.add_argument(STEP_FLAG, choices=("streamed", "megatron"), default="streamed", help=argparse.SUPPRESS)
 
 
 # (argument name, is it unsupported?, what to tell the user)

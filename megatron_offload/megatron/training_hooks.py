@@ -284,6 +284,10 @@ def install_training_hooks() -> None:
                 _stop(f"megatron-offload: {error}")
             handle.say = _print_once  # what `--offload-fraction auto` chose, on the first rank
             run.offloads.append(handle)
+            if getattr(megatron_args, "offload_weights", False):  # after the offloader: its step is streamed
+                chunks = args[1] if len(args) > 1 else kwargs["model_chunks"]
+                mode = getattr(megatron_args, "offload_weights_step", "streamed")
+                run.weights.stream_step(optimizer, chunks if isinstance(chunks, list) else [chunks], mode)
         return optimizer
 
     print_rank_last = training.print_rank_last

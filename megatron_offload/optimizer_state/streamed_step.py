@@ -4,12 +4,15 @@ Chunks already on the GPU are updated first, in groups, while the first streamed
 copies out are left for the loop's next points. The others stream through ``STAGING_CHUNKS`` buffers
 (chunk i+2 in, i updated, i-1 out, at once), every order kept on the device, so the host never waits.
 NOTE: a streamed chunk's copy out starts within the step (its buffer is needed again).
+NOTE: with a ``stage`` (params whose values and gradients live in device-mapped host memory), each
+chunk's params and gradients come to the GPU around its update, and ready chunks are updated in groups
+of about one chunk (each group's GPU copies are that large); a whole step updates them where they are.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -33,6 +36,16 @@ READY_GROUP_BYTES = 1024 * MIB
 AfterChunk = Callable[[list[torch.Tensor]], None]
 
 
+class Stage(Protocol):
+    """Brings a chunk's params and gradients to the GPU around its update (``staged_params.StagedParams``)."""
+
+    def lend(self, params: list[torch.Tensor], copy: bool = True) -> None: ...
+
+    def give_back(self) -> None: ...
+
+    def end_step(self) -> None: ...
+
+
 def footprint(offloader: OptimizerStateOffloader) -> int:
     """Most device memory the streamed step adds beyond what is on the GPU already: the staging
     chunks, and optimizer temporaries for one group of ready chunks."""
@@ -40,10 +53,10 @@ def footprint(offloader: OptimizerStateOffloader) -> int:
     return STAGING_CHUNKS * max(largest, offloader.chunk_bytes) + max(READY_GROUP_BYTES, offloader.chunk_bytes) // 2
 
 
-def _groups(chunks: list[Chunk], chunk_bytes: int) -> Iterator[list[Chunk]]:
+def _groups(chunks: list[Chunk], group_bytes: int) -> Iterator[list[Chunk]]:
     group: list[Chunk] = []
     for chunk in chunks:
-        if group and sum(c.nbytes for c in group) + chunk.nbytes > max(READY_GROUP_BYTES, chunk_bytes):
+        if group and sum(c.nbytes for c in group) + chunk.nbytes > group_bytes:
             yield group
             group = []
         group.append(chunk)
@@ -52,12 +65,17 @@ def _groups(chunks: list[Chunk], chunk_bytes: int) -> Iterator[list[Chunk]]:
 
 
 @torch.no_grad()
-def run(off: OptimizerStateOffloader, stepper: ChunkStepper, after_chunk: AfterChunk | None = None) -> None:
+def run(
+    off: OptimizerStateOffloader,
+    stepper: ChunkStepper,
+    after_chunk: AfterChunk | None = None,
+    stage: Stage | None = None,
+) -> None:
     """Run the optimizer step chunk by chunk and leave the state leaving (kept chunks on the GPU).
     ``after_chunk(params)`` runs right after each chunk's update, while its state is on the GPU
     (Megatron copies the masters into the model there). State the optimizer creates on the way (Adam's
     moments, at its first step) joins its chunk and leaves with it. Falls back to one whole step when
-    the plan does not match the state (after a load replaced tensors)."""
+    the plan does not match the state (after a load replaced tensors). ``stage``: see the NOTE above."""
     off.copies.pump()  # a failed copy is named here, before anything is updated
     off.check_gradients()
     stepper.begin()
@@ -67,19 +85,14 @@ def run(off: OptimizerStateOffloader, stepper: ChunkStepper, after_chunk: AfterC
         try:
             off.wait()
             params = planning.all_params(off.optimizer)
-            stepper.restricted(params)
-            if after_chunk is not None:
-                after_chunk(params)
+            _whole_step(stepper, params, after_chunk, stage)
         finally:
             off.offload(now=False)  # a new plan for the state as it is now, then out
         return
     chunks = off.chunks
     if all(chunk.kept and chunk.on_gpu and chunk.copy is None and chunk.ready is None for chunk in chunks):
         # Nothing moves (all of it kept and here): the optimizer's own step, as without offloading.
-        params = planning.all_params(off.optimizer)
-        stepper.restricted(params)
-        if after_chunk is not None:
-            after_chunk(params)
+        _whole_step(stepper, planning.all_params(off.optimizer), after_chunk, stage)
         for chunk in chunks:
             chunk.touched = True
         return
@@ -98,9 +111,15 @@ def run(off: OptimizerStateOffloader, stepper: ChunkStepper, after_chunk: AfterC
         for chunk in group:
             off.hand_to_compute(chunk)
         params = [p for chunk in group for p in chunk.params]
-        stepper(params, key=tuple(chunk.index for chunk in group))
-        if after_chunk is not None:
-            after_chunk(params)
+        if stage is not None:
+            stage.lend(params)
+        try:
+            stepper(params, key=tuple(chunk.index for chunk in group))
+            if after_chunk is not None:
+                after_chunk(params)
+        finally:
+            if stage is not None:
+                stage.give_back()
         added = [planning.adopt_new_state(off.plan, c, off.optimizer, off.keep_state_keys, off.slab) for c in group]
         if any(added):
             off.count_plan()
@@ -114,7 +133,8 @@ def run(off: OptimizerStateOffloader, stepper: ChunkStepper, after_chunk: AfterC
     try:
         for index in range(min(STAGING_CHUNKS - 1, len(streamed))):
             bring_in(index, fresh)
-        for group in _groups(ready, off.chunk_bytes):
+        group_bytes = off.chunk_bytes if stage is not None else max(READY_GROUP_BYTES, off.chunk_bytes)
+        for group in _groups(ready, group_bytes):
             update(group)
             for chunk in group:
                 if not chunk.kept:
@@ -137,3 +157,18 @@ def run(off: OptimizerStateOffloader, stepper: ChunkStepper, after_chunk: AfterC
         off.queue_out()  # whatever is still here and not kept leaves, never half-way (the plan was checked above)
         off.count_step()
         off.copies.pump()
+
+
+def _whole_step(
+    stepper: ChunkStepper, params: list[torch.Tensor], after_chunk: AfterChunk | None, stage: Stage | None
+) -> None:
+    """One update of every param where it is (a stage only applies what it defers, e.g. clipping)."""
+    if stage is not None:
+        stage.lend(params, copy=False)
+    try:
+        stepper.restricted(params)
+        if after_chunk is not None:
+            after_chunk(params)
+    finally:
+        if stage is not None:
+            stage.give_back()
