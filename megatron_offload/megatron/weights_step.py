@@ -11,7 +11,8 @@ megatron-core's own calls (step_internals.py names each one):
   bitwise megatron-core's; where a norm is missing, megatron-core's own pass runs);
 - ``staged``: each chunk of the optimizer-state offloader's streamed step brings its masters and
   gradients to the GPU, clips the gradients there (megatron-core's clipping, deferred to the chunk), runs
-  Adam and the master-to-model copy on them, and writes the masters back: each byte crosses once.
+  Adam and the master-to-model copy on them, and writes the masters back: each byte crosses once, on the
+  side streams, the next chunk coming in while one is updated and the one before goes out.
 Each piece can be left off (for comparison with megatron-core's own passes).
 """
 
@@ -115,7 +116,7 @@ def attach_streamed_step(
             streamed = streamed_step_of(dist_opt)
             if not parts.staged or streamed is None:
                 continue
-            stage = StagedParams()
+            stage = StagedParams(streamed.offloader.streams)  # the state's side streams: one per link direction
             streamed.stage = stage
             handle.stages.append(stage)
             # A skipped step (NaN, or a norm past the threshold) leaves no clipping for the next one.

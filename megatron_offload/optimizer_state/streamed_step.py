@@ -5,8 +5,9 @@ copies out are left for the loop's next points. The others stream through ``STAG
 (chunk i+2 in, i updated, i-1 out, at once), every order kept on the device, so the host never waits.
 NOTE: a streamed chunk's copy out starts within the step (its buffer is needed again).
 NOTE: with a ``stage`` (params whose values and gradients live in device-mapped host memory), each
-chunk's params and gradients come to the GPU around its update, and ready chunks are updated in groups
-of about one chunk (each group's GPU copies are that large); a whole step updates them where they are.
+group's params and gradients come to the GPU ahead of its update (the stage is told the order first),
+and ready chunks are updated in groups of about one chunk (each group's GPU copies are that large); a
+whole step updates them where they are.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from megatron_offload.core.units import MIB
 from megatron_offload.optimizer_state import plan as planning
 from megatron_offload.optimizer_state.chunk_step import ChunkStepper
 from megatron_offload.optimizer_state.plan import Chunk
+from megatron_offload.optimizer_state.staged_params import STAGED_BUFFERS, staged_bytes
 
 if TYPE_CHECKING:
     from megatron_offload.optimizer_state.offloader import OptimizerStateOffloader
 
-__all__ = ["READY_GROUP_BYTES", "STAGING_CHUNKS", "footprint", "run"]
+__all__ = ["READY_GROUP_BYTES", "STAGING_CHUNKS", "footprint", "run", "staged_footprint"]
 
 # Buffers the streamed step cycles through: one chunk coming in, one updated, one going out.
 STAGING_CHUNKS = 3
@@ -39,6 +41,8 @@ AfterChunk = Callable[[list[torch.Tensor]], None]
 class Stage(Protocol):
     """Brings a chunk's params and gradients to the GPU around its update (``staged_params.StagedParams``)."""
 
+    def begin(self, order: list[list[torch.Tensor]]) -> None: ...
+
     def lend(self, params: list[torch.Tensor], copy: bool = True) -> None: ...
 
     def give_back(self) -> None: ...
@@ -46,17 +50,38 @@ class Stage(Protocol):
     def end_step(self) -> None: ...
 
 
-def footprint(offloader: OptimizerStateOffloader) -> int:
+def footprint(offloader: OptimizerStateOffloader, staged: bool = False) -> int:
     """Most device memory the streamed step adds beyond what is on the GPU already: the staging
-    chunks, and optimizer temporaries for one group of ready chunks."""
-    largest = max((max(c.nbytes, c.expected) for c in offloader.chunks), default=offloader.chunk_bytes)
-    return STAGING_CHUNKS * max(largest, offloader.chunk_bytes) + max(READY_GROUP_BYTES, offloader.chunk_bytes) // 2
+    chunks, and optimizer temporaries for one group of ready chunks. ``staged``: with a stage, also its
+    buffers (``STAGED_BUFFERS`` of the largest group's params and gradients), and temporaries for a
+    group of one chunk's size (the stage's groups are that large)."""
+    largest = max((_size(c) for c in offloader.chunks), default=offloader.chunk_bytes)
+    chunk_bytes = max(largest, offloader.chunk_bytes)
+    if not staged:
+        return STAGING_CHUNKS * chunk_bytes + max(READY_GROUP_BYTES, offloader.chunk_bytes) // 2
+    return STAGING_CHUNKS * chunk_bytes + chunk_bytes // 2 + staged_footprint(offloader)
+
+
+def staged_footprint(offloader: OptimizerStateOffloader) -> int:
+    """The stage's buffers: ``STAGED_BUFFERS`` of the most a group holds, one chunk's params and gradients,
+    or chunks whose state adds up to ``chunk_bytes`` at most (bounded by the highest ratio of staged bytes
+    to state bytes among them)."""
+    single, ratio = 0, 0.0
+    for chunk in offloader.chunks:
+        staged = staged_bytes(chunk.params, grads_known=False)
+        single = max(single, staged)
+        ratio = max(ratio, staged / max(_size(chunk), 1))
+    return STAGED_BUFFERS * max(single, int(ratio * offloader.chunk_bytes) + 1 if ratio else 0)
+
+
+def _size(chunk: Chunk) -> int:
+    return max(chunk.nbytes, chunk.expected)
 
 
 def _groups(chunks: list[Chunk], group_bytes: int) -> Iterator[list[Chunk]]:
     group: list[Chunk] = []
     for chunk in chunks:
-        if group and sum(c.nbytes for c in group) + chunk.nbytes > group_bytes:
+        if group and sum(_size(c) for c in group) + _size(chunk) > group_bytes:
             yield group
             group = []
         group.append(chunk)
@@ -130,11 +155,14 @@ def run(
         buffer = staging[index % STAGING_CHUNKS][: chunk.nbytes]
         off.copies.start(off.queue_prefetch(chunk, buffer, after=after))
 
+    group_bytes = off.chunk_bytes if stage is not None else max(READY_GROUP_BYTES, off.chunk_bytes)
+    ready_groups = list(_groups(ready, group_bytes))
     try:
+        if stage is not None:  # the update order: the stage brings each group's params in ahead of it
+            stage.begin([[p for c in group for p in c.params] for group in [*ready_groups, *([c] for c in streamed)]])
         for index in range(min(STAGING_CHUNKS - 1, len(streamed))):
             bring_in(index, fresh)
-        group_bytes = off.chunk_bytes if stage is not None else max(READY_GROUP_BYTES, off.chunk_bytes)
-        for group in _groups(ready, group_bytes):
+        for group in ready_groups:
             update(group)
             for chunk in group:
                 if not chunk.kept:
