@@ -37,6 +37,7 @@ from megatron_offload.megatron.step_internals import (
 )
 from megatron_offload.megatron.weights_adapter import WeightHandle
 from megatron_offload.optimizer_state.staged_params import StagedParams
+from megatron_offload.optimizer_state.streamed_step import footprint
 from megatron_offload.weights.grad_norms import SlotNorms
 
 __all__ = ["StepParts", "StreamedStepHandle", "attach_streamed_step"]
@@ -61,6 +62,8 @@ class StreamedStepHandle:
     weights: WeightHandle
     norms: SlotNorms | None = None
     stages: list[StagedParams] = field(default_factory=list)
+    staged_steps: list[Any] = field(default_factory=list)
+    """The offloaders' streamed steps given a stage (the stage is taken off again at detach)."""
     wrapped: list[tuple[Any, str]] = field(default_factory=list)
     deferral: ClipDeferral | None = None
     clipped_params: list[Any] = field(default_factory=list)
@@ -79,6 +82,9 @@ class StreamedStepHandle:
         streamer.norms, streamer.last_microbatch = None, lambda: True
         for stage in self.stages:
             stage.end_step()
+        for step in self.staged_steps:
+            step.stage = None
+        self.staged_steps = []
 
 
 def _wrap(handle: StreamedStepHandle, obj: Any, name: str, replacement: Callable[..., Any]) -> None:
@@ -87,10 +93,15 @@ def _wrap(handle: StreamedStepHandle, obj: Any, name: str, replacement: Callable
 
 
 def attach_streamed_step(
-    optimizer: Any, weights: WeightHandle, model_chunks: list[Any], parts: StepParts = StepParts()
+    optimizer: Any,
+    weights: WeightHandle,
+    model_chunks: list[Any],
+    parts: StepParts = StepParts(),
+    offload: Any = None,
 ) -> StreamedStepHandle:
     """Make the step of ``optimizer`` (megatron-core's, with attach_offloader's streamed step in place)
-    over ``model_chunks`` streamed by ``weights`` one pass; see the module docstring."""
+    over ``model_chunks`` streamed by ``weights`` one pass; see the module docstring. ``offload``:
+    attach_offloader's handle, whose step footprint then counts the staged step's buffers."""
     handle = StreamedStepHandle(weights)
     streamer = weights.streamer
     try:
@@ -119,16 +130,29 @@ def attach_streamed_step(
             stage = StagedParams(streamed.offloader.streams)  # the state's side streams: one per link direction
             streamed.stage = stage
             handle.stages.append(stage)
+            handle.staged_steps.append(streamed)
             # A skipped step (NaN, or a norm past the threshold) leaves no clipping for the next one.
             _wrap(handle, dist_opt, "prepare_grads", _then_first(dist_opt.prepare_grads, stage.end_step))
             params = [param for group in dist_opt.optimizer.param_groups for param in group["params"]]
             handle.deferral = handle.deferral or ClipDeferral.install()
             handle.deferral.register(params, stage)
             handle.clipped_params += params
+        staged = {id(step.offloader) for step in handle.staged_steps}
+        if offload is not None and staged:
+            _wrap(handle, offload, "step_footprint", _footprint_with_stages(offload, staged))
     except BaseException:
         handle.detach()
         raise
     return handle
+
+
+def _footprint_with_stages(offload: Any, staged: set[int]) -> Callable[[], int]:
+    """``offload.step_footprint`` counting the stage's buffers of the offloaders (by ``id``) in ``staged``."""
+
+    def step_footprint() -> int:
+        return max((footprint(o, staged=id(o) in staged) for o in offload.offloaders), default=0)
+
+    return step_footprint
 
 
 def _then_first(method: Callable[..., Any], before: Callable[[], None]) -> Callable[..., Any]:

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from megatron_offload.config.weight_flags import WeightConfig
 from megatron_offload.core.gpu_memory import gpu_only, uncapped
 from megatron_offload.core.mapped_memory import MappedPool, mapped_bytes
 from megatron_offload.core.units import GIB
@@ -63,6 +64,8 @@ class StreamedWeights:
     """Each handle's figures (by ``id``) when the log line last read them."""
     steps: list[StreamedStepHandle] = field(default_factory=list)
     """The streamed optimizer steps attached (one per optimizer over a streamed model)."""
+    config: WeightConfig = field(default_factory=WeightConfig)
+    """The flags' settings, read once after validation."""
 
     def begin_building(self, cap_bytes: int | None) -> None:
         """From here on allocations are host memory; the cap (``cap_bytes``, None: none) is lifted."""
@@ -92,14 +95,15 @@ class StreamedWeights:
             "of module buffers moved to the GPU)"
         )
 
-    def stream_step(self, optimizer: Any, model: list[Any], mode: str) -> None:
-        """Once the state offloader is attached to ``optimizer``: its step over the streamed ``model`` becomes
-        one streamed pass (``mode`` "streamed"; "megatron" keeps megatron-core's passes, for comparison)."""
+    def stream_step(self, optimizer: Any, model: list[Any], offload: Any = None) -> None:
+        """Once the state offloader is attached to ``optimizer`` (``offload``, its handle): its step over the
+        streamed ``model`` becomes one streamed pass (``config.step`` "streamed"; "megatron" keeps
+        megatron-core's passes, for comparison), the handle's step footprint counting its buffers."""
         chunks = [id(chunk) for chunk in model]
         handle = next((h for h in self.handles if [id(chunk) for chunk in h.model] == chunks), None)
-        if handle is None or mode != "streamed":
+        if handle is None or self.config.step != "streamed":
             return
-        self.steps.append(attach_streamed_step(optimizer, handle, model))
+        self.steps.append(attach_streamed_step(optimizer, handle, model, offload=offload))
         _say("megatron-offload: the optimizer step streams masters, moments and gradients in one pass")
 
     def log_fields(self, steps: int = 1) -> str:

@@ -1,7 +1,8 @@
 """The optimizer step of weight streaming as one streamed pass, on a real megatron-core GPT: gradient
 zeroing left out, the gradient norm and NaN check from the slots, masters and gradients staged per chunk
 with clipping inside it. Losses, model params, masters and Adam moments bitwise equal to no offload,
-with clipping on (coefficient below 1 at this learning rate) and off, and each part alone."""
+with clipping on (coefficient below 1 at this learning rate) and off, and each part alone. The staged
+part's masters and gradients move on the offloader's side streams through buffers freed after each step."""
 
 from __future__ import annotations
 
@@ -54,14 +55,21 @@ def test_streamed_step_is_bitwise_megatron_cores(reference, pool: MappedPool, pa
     move_buffers_to_gpu(training.model)
     weights = attach_weight_streamer(training.model)
     state = attach_offloader(training.optimizer, offload_master_weights=False, prefetch=prefetch)
-    step = attach_streamed_step(training.optimizer, weights, training.model, PARTS[parts])
+    plain_footprint = state.step_footprint()
+    step = attach_streamed_step(training.optimizer, weights, training.model, PARTS[parts], offload=state)
+    if PARTS[parts].staged:  # the stage's buffers count against a cap
+        assert state.step_footprint() > plain_footprint
+        assert step.stages[0].streams is state.offloaders[0].streams  # the copies run on the side streams
     results = train(training, STEPS)
     assert [loss for loss, _ in results] == [loss for loss, _ in expected_results]
     if PARTS[parts].norms:
         assert step.slot_norm_steps == STEPS, "the gradient norm was not taken from the slots"
     if PARTS[parts].staged:
-        assert step.stages and step.stages[0].bytes_in > 0
+        stage = step.stages[0]
+        assert stage.bytes_in > 0 and stage.bytes_out > 0
+        assert stage.buffer_bytes == 0, "the stage's buffers outlived the step"
     step.detach()
+    assert state.step_footprint() == plain_footprint
     state.detach()
     assert_bitwise_equal(expected, snapshot(training))
     weights.detach()

@@ -9,6 +9,8 @@ streams when freed; and the footprint counts the buffers a step takes.
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -203,3 +205,22 @@ def test_the_footprint_counts_the_stage_buffers(fraction: float) -> None:
                 offloader.copies.drain()
     assert seen and max(seen) <= streamed_step.staged_footprint(offloader)
     assert staged - streamed_step.staged_footprint(offloader) <= plain
+
+
+def test_the_offload_handle_footprint_counts_the_stage_of_staged_offloaders_only() -> None:
+    from megatron_offload.megatron.weights_step import _footprint_with_stages
+
+    offloaders = []
+    for chunk_bytes in (2000, 4000):
+        _, masters = many_masters()
+        offloader = offloader_for(torch.optim.AdamW(masters, lr=1e-2), [], chunk_bytes=chunk_bytes)
+        offloader.offload()
+        offloaders.append(offloader)
+    handle = types.SimpleNamespace(offloaders=offloaders)
+    plain = max(streamed_step.footprint(o) for o in offloaders)
+    assert _footprint_with_stages(handle, set())() == plain
+    with_stage = _footprint_with_stages(handle, {id(offloaders[0])})()
+    assert with_stage == max(
+        streamed_step.footprint(offloaders[0], staged=True), streamed_step.footprint(offloaders[1])
+    )
+    assert with_stage >= streamed_step.staged_footprint(offloaders[0])
