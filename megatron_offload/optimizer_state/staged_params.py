@@ -164,10 +164,11 @@ class StagedParams:
         """The buffer holding ``params`` (or coming in): the next group's, else one filled now."""
         if self._next < len(self._order) and _same(self._order[self._next], params):
             buffer = self._buffers[self._next % len(self._buffers)]
-            self._next += 1
-            if buffer.params is None:  # its copy in was not started yet
-                self._fill(buffer, params)
-            return buffer
+            if buffer is not self._lent and (buffer.params is None or _same(buffer.params, params)):
+                self._next += 1
+                if buffer.params is None:  # its copy in was not started yet
+                    self._fill(buffer, params)
+                return buffer
         # Not the group expected (or no ``begin``): the order is dropped, this group is staged on its own.
         self._release()
         if self._last_out is not None and not self._last_out.query():

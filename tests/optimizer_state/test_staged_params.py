@@ -145,24 +145,6 @@ def test_copies_overlap_the_updates_and_are_ordered_by_events_only() -> None:
     assert not any(c[0] == "sync" for c in calls)
 
 
-def test_values_go_back_to_the_host_copies() -> None:
-    params = [torch.nn.Parameter(torch.full((n,), float(n))) for n in (3, 5, 4, 6)]
-    for param in params:
-        param.grad = torch.ones_like(param)
-    homes = [param.data for param in params]  # the same storage: compared by address
-    stage = StagedParams()
-    stage.begin(groups_of(params, 4))
-    for group in groups_of(params, 4):
-        stage.lend(group)
-        assert all(param.data.data_ptr() != home.data_ptr() for param, home in zip(group, homes, strict=False))
-        for param in group:
-            param.data.add_(param.grad)
-        stage.give_back()
-    stage.end_step()
-    for param, home in zip(params, homes, strict=True):
-        assert param.data_ptr() == home.data_ptr() and torch.equal(home, torch.full_like(home, home.numel() + 1.0))
-
-
 def test_a_group_out_of_order_is_staged_on_its_own() -> None:
     params = [torch.nn.Parameter(torch.ones(4)) for _ in range(3)]
     for param in params:
@@ -224,3 +206,37 @@ def test_the_offload_handle_footprint_counts_the_stage_of_staged_offloaders_only
         streamed_step.footprint(offloaders[0], staged=True), streamed_step.footprint(offloaders[1])
     )
     assert with_stage >= streamed_step.staged_footprint(offloaders[0])
+
+
+def test_a_step_cut_short_leaves_every_param_at_its_host_copy_and_no_buffer() -> None:
+    _, masters = many_masters()
+    optimizer = torch.optim.AdamW(masters, lr=1e-2)
+    offloader = offloader_for(optimizer, [], chunk_bytes=2000)
+    offloader.offload()
+    streams = Log()
+    stage, stepper = StagedParams(streams), ChunkStepper(optimizer)
+    set_grads(optimizer, 0)
+    with offloader.params_on_device():
+        streamed_step.run(offloader, stepper, stage=stage)  # the moments exist from here: chunks stream
+        stage.end_step()
+    offloader.copies.drain()
+    calls = []
+
+    def fail_on_second(params) -> None:
+        calls.append(params)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+
+    set_grads(optimizer, 1)
+    homes = [(p.data_ptr(), p.grad) for p in masters]
+    streams.calls.clear()
+    with pytest.raises(RuntimeError, match="boom"), offloader.params_on_device():
+        try:
+            streamed_step.run(offloader, stepper, fail_on_second, stage=stage)
+        finally:
+            stage.end_step()
+            offloader.copies.drain()
+    for param, (data, grad) in zip(masters, homes, strict=True):
+        assert param.data_ptr() == data and param.grad is grad
+    kept = [c for c in streams.calls if c[0] == "keep"]
+    assert stage.buffer_bytes == 0 and len(kept) == 2 * STAGED_BUFFERS  # every buffer handed to both side streams
