@@ -65,7 +65,10 @@ def footprint(offloader: OptimizerStateOffloader, staged: bool = False) -> int:
 def staged_footprint(offloader: OptimizerStateOffloader) -> int:
     """The stage's buffers: ``STAGED_BUFFERS`` of the most a group holds, one chunk's params and gradients,
     or chunks whose state adds up to ``chunk_bytes`` at most (bounded by the highest ratio of staged bytes
-    to state bytes among them)."""
+    to state bytes among them). Before a plan: ``chunk_bytes`` a group (fp32 masters and gradients take
+    8 bytes per parameter, as Adam's moments do)."""
+    if not offloader.chunks:
+        return STAGED_BUFFERS * offloader.chunk_bytes
     single, ratio = 0, 0.0
     for chunk in offloader.chunks:
         staged = staged_bytes(chunk.params, grads_known=False)

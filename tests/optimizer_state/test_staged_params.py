@@ -201,6 +201,8 @@ def test_the_offload_handle_footprint_counts_the_stage_of_staged_offloaders_only
     handle = types.SimpleNamespace(offloaders=offloaders)
     plain = max(streamed_step.footprint(o) for o in offloaders)
     assert _footprint_with_stages(handle, set())() == plain
+    unplanned = offloader_for(torch.optim.AdamW(many_masters()[1], lr=1e-2), [], chunk_bytes=3000)
+    assert streamed_step.staged_footprint(unplanned) == STAGED_BUFFERS * 3000  # no chunks yet: a chunk a group
     with_stage = _footprint_with_stages(handle, {id(offloaders[0])})()
     assert with_stage == max(
         streamed_step.footprint(offloaders[0], staged=True), streamed_step.footprint(offloaders[1])
