@@ -91,6 +91,7 @@ class WeightHandle:
     """What attach_weight_streamer did, so that it can be read and undone."""
 
     streamer: WeightStreamer
+    model: list[Any] = field(default_factory=list)  # the model chunks streamed
     hooks: list[Any] = field(default_factory=list)
     wrapped: list[tuple[Any, str]] = field(default_factory=list)
 
@@ -141,7 +142,7 @@ def attach_weight_streamer(model_chunks: list[Any], weight_slots: int = 3, grad_
     resident = _unit("embedding and output", -1, rest, where, resident=True) if rest else None
     device = next(iter(where)).device
     streamer = WeightStreamer(units, resident, streams_for(device), weight_slots=weight_slots, grad_slots=grad_slots)
-    handle = WeightHandle(streamer)
+    handle = WeightHandle(streamer, list(model_chunks))
 
     for index, layer in enumerate(layers):
 
@@ -160,7 +161,7 @@ def attach_weight_streamer(model_chunks: list[Any], weight_slots: int = 3, grad_
     owners += [m for m in chunk.modules() if isinstance(m, _embedding_type())]
     for module in owners:
         handle.hooks.append(module.register_forward_pre_hook(lambda *_: streamer.lend_resident()))
-    _wrap(handle, chunk, "zero_grad_buffer", streamer.settle)  # a new step: nothing lent from before
+    _wrap(handle, chunk, "zero_grad_buffer", streamer.new_step)  # a new step: nothing lent from before
     _wrap(handle, chunk, "finish_grad_sync", streamer.settle)  # backward done: gradients whole on the host
     return handle
 
