@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_offload.core.host_memory import HostSlab
+from megatron_offload.core.progress import say
 from megatron_offload.core.streams import OFFLOAD, PREFETCH, Event, Streams
+from megatron_offload.core.units import GIB
 
 __all__ = ["LayerInputOffloader", "LayerInputStats"]
 
@@ -47,6 +49,7 @@ class LayerInputStats:
     bytes_in: int = 0
     exposed_ms: float = 0.0
     host_bytes: int = 0
+    host_buffers: int = 0
     gpu_slot_bytes: int = 0
 
 
@@ -86,6 +89,7 @@ class LayerInputOffloader:
         self._free_host: dict[int, list[HostSlab]] = defaultdict(list)
         self._slots: list[_Slot] = []
         self._waits: list[tuple[Event | None, Event | None]] = []
+        self._announced = 0  # host bytes already told of in a line (the first pass pins a buffer per layer)
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """The context to run a forward pass in: its checkpoints' saved layer inputs go through us."""
@@ -102,8 +106,16 @@ class LayerInputOffloader:
             self._expected = tensor
 
     def end_pass(self) -> None:
-        """The forward pass is over: its last input stays on the GPU (the backward begins with it)."""
+        """The forward pass is over: its last input stays on the GPU (the backward begins with it). A pass
+        that made host buffers says so in one line (not one per layer)."""
         self._expected, self._last = None, None
+        if self.stats.host_bytes > self._announced:
+            say(
+                f"megatron-offload: layer inputs hold {self.stats.host_bytes / GIB:.2f} GiB of "
+                f"{'pinned' if self.pin else 'pageable'} host memory ({self.stats.host_buffers} buffers), "
+                "made once and reused"
+            )
+            self._announced = self.stats.host_bytes
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor | Saved:
         if tensor is not self._expected or not tensor.is_contiguous():
@@ -199,8 +211,9 @@ class LayerInputOffloader:
         free = self._free_host[nbytes]
         if free:
             return free.pop()
-        slab = HostSlab(nbytes, torch.uint8, pin=self.pin, label="layer inputs' host memory")
+        slab = HostSlab(nbytes, torch.uint8, pin=self.pin, label="layer inputs' host memory", announce=False)
         self.stats.host_bytes += nbytes
+        self.stats.host_buffers += 1
         return slab
 
     def _return_host(self, saved: Saved) -> None:

@@ -143,3 +143,14 @@ def test_timed_waits_are_folded_in_without_a_reader() -> None:
     run(5, offloader, steps=80)  # 4 waits a step
     assert offloader.stats.fetched == 320
     assert len(offloader._waits) <= 256
+
+
+def test_the_pass_that_makes_host_buffers_says_so_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    offloader = LayerInputOffloader(HostStreams(), pin=False)
+    run(5, offloader, steps=1)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "layer inputs" in line]
+    told = "megatron-offload: layer inputs hold 0.00 GiB of pageable host memory (4 buffers), made once and reused"
+    assert lines == [told]
+    assert offloader.read_stats().host_buffers == 4
+    run(5, offloader, steps=1)  # the same buffers again: nothing new to tell
+    assert "layer inputs" not in capsys.readouterr().err
