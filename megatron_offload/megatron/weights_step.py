@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_offload.core.patches import InstancePatches
 from megatron_offload.megatron.optimizer_internals import (
     _in_last_microbatch,
     distributed_optimizers,
@@ -64,16 +65,14 @@ class StreamedStepHandle:
     stages: list[StagedParams] = field(default_factory=list)
     staged_steps: list[Any] = field(default_factory=list)
     """The offloaders' streamed steps given a stage (the stage is taken off again at detach)."""
-    wrapped: list[tuple[Any, str]] = field(default_factory=list)
+    patches: InstancePatches = field(default_factory=InstancePatches)
     deferral: ClipDeferral | None = None
     clipped_params: list[Any] = field(default_factory=list)
     slot_norm_steps: int = 0
     """Steps whose gradient norm came from the slots (the rest: megatron-core's own pass)."""
 
     def detach(self) -> None:
-        for obj, name in self.wrapped:
-            vars(obj).pop(name, None)
-        self.wrapped = []
+        self.patches.undo()
         if self.deferral is not None:
             self.deferral.unregister(self.clipped_params)
             self.deferral = None
@@ -85,11 +84,6 @@ class StreamedStepHandle:
         for step in self.staged_steps:
             step.stage = None
         self.staged_steps = []
-
-
-def _wrap(handle: StreamedStepHandle, obj: Any, name: str, replacement: Callable[..., Any]) -> None:
-    setattr(obj, name, replacement)  # on the instance: the class and other instances are untouched
-    handle.wrapped.append((obj, name))
 
 
 def attach_streamed_step(
@@ -109,7 +103,7 @@ def attach_streamed_step(
             for chunk in model_chunks:
                 for buffer in chunk.buffers:
                     # The buffer's gradients hold the last step's values until each unit's first copy out.
-                    _wrap(handle, buffer, "reset", reset_without_zeroing(buffer, streamer.skip_zeroing))
+                    handle.patches.replace(buffer, "reset", reset_without_zeroing(buffer, streamer.skip_zeroing))
         if parts.norms and local_norm_kernels():
             handle.norms = SlotNorms()
             for unit in streamer.layers + ([streamer.resident] if streamer.resident is not None else []):
@@ -120,10 +114,10 @@ def attach_streamed_step(
             streamer.last_microbatch = lambda: _in_last_microbatch(model_chunks)
             for chunk in model_chunks:
                 for group in getattr(chunk, "bucket_groups", []):
-                    _wrap(handle, group, "check_grads", check_grads_from_slots(group, handle.norms))
+                    handle.patches.replace(group, "check_grads", check_grads_from_slots(group, handle.norms))
         for dist_opt in distributed_optimizers(optimizer):
             if handle.norms is not None:
-                _wrap(handle, dist_opt, "get_grad_norm", _norm_from_slots(handle, dist_opt))
+                handle.patches.replace(dist_opt, "get_grad_norm", _norm_from_slots(handle, dist_opt))
             streamed = streamed_step_of(dist_opt)
             if not parts.staged or streamed is None:
                 continue
@@ -132,14 +126,14 @@ def attach_streamed_step(
             handle.stages.append(stage)
             handle.staged_steps.append(streamed)
             # A skipped step (NaN, or a norm past the threshold) leaves no clipping for the next one.
-            _wrap(handle, dist_opt, "prepare_grads", _then_first(dist_opt.prepare_grads, stage.end_step))
+            handle.patches.replace(dist_opt, "prepare_grads", _then_first(dist_opt.prepare_grads, stage.end_step))
             params = [param for group in dist_opt.optimizer.param_groups for param in group["params"]]
             handle.deferral = handle.deferral or ClipDeferral.install()
             handle.deferral.register(params, stage)
             handle.clipped_params += params
         staged = {id(step.offloader) for step in handle.staged_steps}
         if offload is not None and staged:
-            _wrap(handle, offload, "step_footprint", _footprint_with_stages(offload, staged))
+            handle.patches.replace(offload, "step_footprint", _footprint_with_stages(offload, staged))
     except BaseException:
         handle.detach()
         raise
