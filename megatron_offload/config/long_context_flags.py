@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_offload.config.refusals import Check, on, over_one, refuse, set_
+from megatron_offload.config.refusals import CUDA_GRAPHS, Check, is_not, is_other_than, on, over_one, refuse, set_
 
 __all__ = [
     "SDPA_SPEC",
@@ -49,19 +49,14 @@ def add_long_context_args(group: argparse._ArgumentGroup) -> None:
     )
 
 
-def _not_full(args: argparse.Namespace, name: str) -> bool:
-    return getattr(args, name, None) != "full"
-
-
 _LAYER_INPUTS: list[Check] = [
-    ("recompute_granularity", _not_full, "moves the inputs full recompute keeps: add --recompute-granularity full"),
+    ("recompute_granularity", is_not("full"), "moves what full recompute keeps: add --recompute-granularity full"),
     ("distribute_saved_activations", on, "cannot move inputs split across tensor-parallel ranks: drop it"),
     ("fp8", set_, "does not support fp8 yet (its checkpoint is TransformerEngine's): drop it"),
     ("fp4", set_, "does not support fp4 yet (its checkpoint is TransformerEngine's): drop it"),
     ("cpu_offloading", on, "and TransformerEngine's activation offloading cannot be combined: drop one"),
     ("fine_grained_activation_offloading", on, "and fine-grained activation offloading cannot be combined: drop one"),
-    ("enable_cuda_graph", on, "cannot run under CUDA graphs (they bypass the layers' hooks): drop it"),
-    ("external_cuda_graph", on, "cannot run under CUDA graphs (they bypass the layers' hooks): drop it"),
+    *CUDA_GRAPHS,
 ]
 
 _CHUNKED_LOSS: list[Check] = [
@@ -80,7 +75,7 @@ def uses_sdpa_spec(args: argparse.Namespace) -> bool:
 _SDPA: list[Check] = [
     ("context_parallel_size", over_one, "runs without context parallelism: set it to 1"),
     ("window_size", set_, "has no sliding window: drop it"),
-    ("softmax_type", lambda args, name: getattr(args, name, "vanilla") not in (None, "vanilla"), "use vanilla"),
+    ("softmax_type", is_other_than("vanilla"), "use vanilla"),
     (
         "create_attention_mask_in_dataloader",
         on,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from megatron_offload.config.refusals import Check, is_not, is_other_than, on, over_one, refuse, set_
+from megatron_offload.config.refusals import CUDA_GRAPHS, Check, is_not, is_other_than, on, over_one, refuse, set_
 
 __all__ = ["STEP_MODES", "WeightConfig", "add_weight_args", "check_weight_flags", "weight_config_from_args"]
 
@@ -76,9 +76,7 @@ _AS_GIVEN: list[Check] = [
     ("fp16", on, "supports --bf16 (or fp32) training only: use --bf16"),
     ("fp8", set_, "does not support fp8 yet: drop it"),
     ("fp4", set_, "does not support fp4 yet: drop it"),
-    ("enable_cuda_graph", on, "cannot run under CUDA graphs (they bypass the layers' hooks): drop it"),
-    ("external_cuda_graph", on, "cannot run under CUDA graphs (they bypass the layers' hooks): drop it"),
-    ("cuda_graph_impl", is_other_than("none"), "cannot run under CUDA graphs (they bypass its hooks): use none"),
+    *CUDA_GRAPHS,
     ("cpu_offloading", on, "and activation offloading (--cpu-offloading) cannot be combined: drop it"),
     ("num_layers_per_virtual_pipeline_stage", set_, "streams on one GPU only for now: drop it"),
     ("init_model_with_meta_device", on, "builds the model in host memory itself: drop it"),

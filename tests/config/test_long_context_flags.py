@@ -37,6 +37,8 @@ def test_the_supported_combinations_pass() -> None:
         (["--offload-layer-inputs"], {"distribute_saved_activations": True}, r"--distribute-saved-activations"),
         (["--offload-layer-inputs"], {"fp8": "hybrid"}, r"does not support fp8"),
         (["--offload-layer-inputs"], {"cpu_offloading": True}, r"--cpu-offloading"),
+        (["--offload-layer-inputs"], {"cuda_graph_impl": "local"}, r"CUDA graphs.*--cuda-graph-impl local"),
+        ([], {"spec": SDPA_SPEC, "softmax_type": "off-by-one"}, r"use vanilla.*--softmax-type off-by-one"),
         (["--chunked-loss"], {"tensor_model_parallel_size": 2}, r"--tensor-model-parallel-size 2"),
         (["--chunked-loss"], {"mtp_num_layers": 1}, r"--mtp-num-layers"),
         (["--chunked-loss"], {"cross_entropy_loss_fusion": True}, r"drop --cross-entropy-loss-fusion"),
