@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 import re
 
-from megatron_offload.config.long_context_flags import uses_sdpa_spec
+from megatron_offload.config.long_context_flags import SDPA_SPEC, uses_sdpa_spec
+from megatron_offload.config.refusals import on, over_one
 
 __all__ = ["asked_bytes", "line_for", "out_of_memory_line", "what_to_add"]
 
@@ -26,23 +27,22 @@ def asked_bytes(error: BaseException) -> int:
 
 def what_to_add(args: argparse.Namespace) -> list[str]:
     """The flags that would take more off the GPU, the largest saving first, for a run with ``args``."""
-    on = lambda name: bool(getattr(args, name, False))  # noqa: E731
     long = (getattr(args, "seq_length", 0) or 0) * (getattr(args, "micro_batch_size", 1) or 1) >= LONG
     full = getattr(args, "recompute_granularity", None) == "full"
     advice = []
     if long and not uses_sdpa_spec(args) and getattr(args, "transformer_impl", "local") == "local":
-        advice.append("--spec megatron_offload.megatron.sdpa_spec gpt_layer_spec (attention without [s, s] scores)")
-    if not on("offload_optimizer_states"):
+        advice.append(f"--spec {' '.join(SDPA_SPEC)} (attention without [s, s] scores)")
+    if not on(args, "offload_optimizer_states"):
         advice.append("--offload-optimizer-states")
-    elif not on("offload_weights"):
+    elif not on(args, "offload_weights"):
         advice.append("--offload-weights (with full recompute one layer at a time)")
     if not full:
         advice.append("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
-    elif long and not on("offload_layer_inputs"):
+    elif long and not on(args, "offload_layer_inputs"):
         advice.append("--offload-layer-inputs")
-    if long and not on("chunked_loss") and (getattr(args, "tensor_model_parallel_size", 1) or 1) == 1:
+    if long and not on(args, "chunked_loss") and not over_one(args, "tensor_model_parallel_size"):
         advice.append("--chunked-loss")
-    if not advice and (getattr(args, "micro_batch_size", 1) or 1) > 1:
+    if not advice and over_one(args, "micro_batch_size"):
         advice.append("a smaller --micro-batch-size (more micro-batches per step)")
     return advice
 
