@@ -56,7 +56,7 @@ from megatron_offload.config.flags import (
     upstream_defines_the_flag,
     validate_offload_args,
 )
-from megatron_offload.config.long_context_flags import layer_input_bytes_per_rank
+from megatron_offload.config.long_context_flags import layer_input_bytes_per_rank, long_context_config_from_args
 from megatron_offload.config.weight_flags import weight_config_from_args
 from megatron_offload.core.gpu_memory import apply_memory_cap, gpu_only, use_expandable_segments_by_default
 from megatron_offload.core.host_memory import HostMemoryError, check_host_room
@@ -241,7 +241,8 @@ def install_training_hooks() -> None:
         result = validate_args(args, *rest, **kwargs)
         _refuse_bad_flags(validate_offload_args, args)
         run.weights.config = weight_config_from_args(args)  # read once; the hooks below go by it
-        if getattr(args, "chunked_loss", False) and not supports_output_processor():  # before the model is built
+        run.long_context_config = long_context_config_from_args(args)
+        if run.long_context_config.chunked_loss and not supports_output_processor():  # before the model is built
             _stop(f"megatron-offload: {CHUNKED_LOSS_NEEDS}")
         which = which_offloader(args)
         if which:
@@ -271,7 +272,8 @@ def install_training_hooks() -> None:
 
     def get_megatron_optimizer_and_attach(*args: Any, **kwargs: Any) -> Any:
         optimizer = get_megatron_optimizer(*args, **kwargs)
-        long_context = attach_long_context(args[1] if len(args) > 1 else kwargs["model_chunks"], global_vars.get_args())
+        model_chunks = args[1] if len(args) > 1 else kwargs["model_chunks"]
+        long_context = attach_long_context(model_chunks, run.long_context_config)
         if long_context is not None:
             run.long_context.append(long_context)
             _print_once(describe_long_context(long_context))
