@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,8 @@ def main() -> int:
     batch = ["--global-batch-size", str(args.global_batch_size), "--log-interval", "1", "--timing-log-level", "1"]
     capped = ["--offload-gpu-memory-cap-gib", f"{args.cap:g}"] if args.cap else []  # --cap 0: uncapped
     batch += ["--deterministic-mode"] if args.deterministic else []
+    if args.deterministic:  # deterministic cuBLAS needs a fixed workspace; the runs inherit it
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     results: dict[str, Any] = {}
     tail = [*sequence(args.seq), *batch, "--train-iters", str(args.train_iters)]
     rows = {

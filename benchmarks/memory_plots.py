@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 GIB = 1024**3
-COLORS = {"baseline": "tab:gray", "offload": "tab:blue", "cpu-offload": "tab:orange"}
+COLORS = {"baseline": "tab:gray", "step": "tab:blue", "capped-default": "tab:green", "cpu-offload": "tab:orange"}
 
 
 def load_snapshot(path: Path) -> dict[str, Any]:
@@ -86,22 +86,24 @@ def _pyplot() -> Any:
     return plt
 
 
-def plot_peak_memory(summaries: dict[str, dict[str, Any]], path: Path) -> None:
-    """Grouped bars per run: allocated between steps and peak allocated, in GiB."""
+def plot_peak_memory(summaries: dict[str, dict[str, Any]], path: Path, cap_gib: float | None = None) -> None:
+    """Grouped bars per run that ran through: peak allocated and peak reserved, in GiB; the cap as a line."""
     plt = _pyplot()
     runs = {name: s for name, s in summaries.items() if s["status"] == "ok" and s["peak_gib"] is not None}
     figure, axes = plt.subplots(figsize=(7, 4.5))
     width = 0.38
     for offset, key, label in [
-        (-width / 2, "allocated_gib", "allocated between steps"),
-        (width / 2, "peak_gib", "peak allocated"),
+        (-width / 2, "peak_gib", "peak allocated"),
+        (width / 2, "max_reserved_gib", "peak reserved"),
     ]:
         values = [s[key] or 0.0 for s in runs.values()]
         bars = axes.bar([i + offset for i in range(len(runs))], values, width, label=label)
         axes.bar_label(bars, fmt="%.2f", fontsize=8)
+    if cap_gib is not None:
+        axes.axhline(cap_gib, color="tab:red", linestyle="--", label=f"cap of the capped rows ({cap_gib:.2f} GiB)")
     axes.set_xticks(range(len(runs)), list(runs))
     axes.set_ylabel("GiB per rank")
-    axes.set_title("GPU memory allocated, per configuration")
+    axes.set_title("GPU memory at the peak, per run")
     axes.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)

@@ -1,18 +1,17 @@
-"""Log parsing, figures, thresholds and the Markdown report of the nightly memory comparison.
+"""The Megatron-LM log reader of the nightly memory comparison: iterations, memory lines, arguments and
+each run's summary (the checks are in memory_checks.py, the Markdown page in memory_markdown.py).
 
-Pure Python plus PyYAML (no torch, no megatron_offload), so ``compare_memory.py --from-logs`` and the
-CPU tests can regenerate a report anywhere from the logs a GPU run left behind.
+Pure Python (no torch, no megatron_offload), so ``compare_memory.py --from-logs`` and the CPU tests can
+regenerate a report anywhere from the logs a GPU run left behind.
 """
 
 from __future__ import annotations
 
 import re
 import statistics
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 MIB = 1024**2
 GIB = 1024**3
@@ -22,6 +21,7 @@ _ITERATION = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|(.*)")
 _MEMORY = re.compile(r"\[Rank (\d+)\] \(after (\d+) iterations\) memory \(MB\) \|(.*)")
 _PARAMETERS = re.compile(r"number of parameters on \(([^)]*)\) model parallel rank \(([^)]*)\): (\d+)")
 _ARGUMENT = re.compile(r"^\s+(\w+) \.+ (.*?)\s*$")
+_OUT_OF_MEMORY = re.compile(r"OutOfMemoryError|CUDA out of memory|out of GPU memory")
 _EXCEPTION = re.compile(r"\b(?:\w+\.)*\w*(?:Error|Exception)(?:: \S|$)")  # "...Error: message" or a bare one
 
 
@@ -73,7 +73,7 @@ def _fields(text: str) -> dict[str, str]:
     return {name.strip(): value.strip() for name, sep, value in pairs if sep}
 
 
-def _number(text: str | None) -> float | None:
+def number(text: str | None) -> float | None:
     try:
         return float(text) if text is not None else None
     except ValueError:
@@ -106,14 +106,14 @@ def parse_log(text: str) -> RunLog:
             peaks = values.get("mem peak allocated/reserved (GiB)", "").split("/")
             log.train_iters = int(match[2])
             log.steps[int(match[1])] = Step(
-                loss=_number(values.get("lm loss")),
-                step_ms=_number(values.get("elapsed time per iteration (ms)")),
-                offloaded_gib=_number(values.get("offloaded per rank (GiB)")),
-                copy_out_ms=_number(copies[0]) if len(copies) == 2 else None,
-                copy_in_ms=_number(copies[1]) if len(copies) == 2 else None,
-                exposed_ms=_number(values.get("offload exposed (ms)")),
-                peak_allocated_gib=_number(peaks[0]) if len(peaks) == 2 else None,
-                peak_reserved_gib=_number(peaks[1]) if len(peaks) == 2 else None,
+                loss=number(values.get("lm loss")),
+                step_ms=number(values.get("elapsed time per iteration (ms)")),
+                offloaded_gib=number(values.get("offloaded per rank (GiB)")),
+                copy_out_ms=number(copies[0]) if len(copies) == 2 else None,
+                copy_in_ms=number(copies[1]) if len(copies) == 2 else None,
+                exposed_ms=number(values.get("offload exposed (ms)")),
+                peak_allocated_gib=number(peaks[0]) if len(peaks) == 2 else None,
+                peak_reserved_gib=number(peaks[1]) if len(peaks) == 2 else None,
             )
         elif match := _MEMORY.search(line):
             values = {name: float(value) for name, value in _fields(match[3]).items()}
@@ -152,7 +152,7 @@ def _median(values: list[float | None]) -> float | None:
 class RunSummary:
     """The figures of one run that the table, the plots and the checks use."""
 
-    status: str  # "ok", "failed" or "not available"
+    status: str  # "ok", "failed", "not available" or (a run that must not fit) "out of memory"
     detail: str = ""
     iterations: int = 0
     median_step_ms: float | None = None
@@ -200,18 +200,20 @@ def summarize(log: RunLog) -> RunSummary:
 
 
 def read_runs(
-    source: Path, names: list[str], required: tuple[str, ...], runs_info: dict[str, Any]
+    source: Path, names: list[str], runs_info: dict[str, Any], required: tuple[str, ...], must_not_fit: tuple[str, ...]
 ) -> tuple[dict[str, RunLog], dict[str, RunSummary]]:
-    """Parse and summarize ``source/<name>.log`` of each run; a reference run that failed is "not available".
+    """Parse and summarize ``source/<name>.log`` of each run.
 
-    ``runs_info`` holds each run's recorded ``returncode`` (run_info.json); a reference run with neither a
+    ``runs_info`` holds each run's recorded ``returncode`` (run_info.json). A run in ``must_not_fit`` is
+    expected to stop: "out of memory" when its log says so, "failed" for any other stop, "ok" if it ran
+    through. Another run that is not ``required`` and did not finish is "not available"; one with neither a
     log nor a record was skipped and is left out.
     """
     logs: dict[str, RunLog] = {}
     summaries: dict[str, RunSummary] = {}
     for name in names:
         path = source / f"{name}.log"
-        if not path.is_file() and name not in required and name not in runs_info:
+        if not path.is_file() and name not in required + must_not_fit and name not in runs_info:
             continue
         text = path.read_text(errors="replace") if path.is_file() else ""
         logs[name] = parse_log(text)
@@ -219,10 +221,15 @@ def read_runs(
             logs[name].error = f"no log {path.name}"
         elif runs_info.get(name, {}).get("returncode", 0) != 0:
             logs[name].error = f"exit {runs_info[name]['returncode']}: {last_error_line(text)}"
-        summaries[name] = summarize(logs[name])
-        if name not in required and summaries[name].status != "ok":
-            summaries[name].status = "not available"
-            summaries[name].detail = logs[name].error or last_error_line(text)
+        summaries[name] = summary = summarize(logs[name])
+        if summary.status == "ok":
+            continue
+        if name in must_not_fit:
+            summary.status = "out of memory" if _OUT_OF_MEMORY.search(text) else "failed"
+            summary.detail = last_error_line(text).split(". ")[0] if path.is_file() else summary.detail
+        elif name not in required:
+            summary.status = "not available"
+            summary.detail = logs[name].error or last_error_line(text)
     return logs, summaries
 
 
@@ -247,180 +254,3 @@ def expected_state_bytes(log: RunLog, master_weights: bool) -> tuple[int | None,
         f"(dp {data} x cp {model[2]})"
     )
     return per_param * sum(counts) // (len(counts) * shards), how
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """The nightly's pass/fail limits (configs/nightly_thresholds.yaml)."""
-
-    min_saving_fraction: float
-    min_peak_saving_gib: float
-    max_step_time_overhead: float
-    losses_equal: bool
-
-
-class ThresholdsError(ValueError):
-    """The thresholds file is not the strict mapping the nightly expects."""
-
-
-def load_thresholds(path: str | Path) -> Thresholds:
-    """Read the thresholds; unknown, missing or mistyped keys are errors, so a typo cannot relax a check."""
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as error:
-        raise ThresholdsError(f"{path}: {error}") from error
-    if not isinstance(data, dict):
-        raise ThresholdsError(f"{path}: expected a mapping of threshold names to values")
-    names = [f.name for f in fields(Thresholds)]
-    unknown, missing = sorted(set(data) - set(names)), [name for name in names if name not in data]
-    if unknown or missing:
-        raise ThresholdsError(f"{path}: unknown keys {unknown}, missing keys {missing}; allowed: {names}")
-    for name in names:
-        value, boolean = data[name], name == "losses_equal"
-        if isinstance(value, bool) != boolean or not isinstance(value, (int, float)):
-            raise ThresholdsError(f"{path}: {name} must be {'true or false' if boolean else 'a number'}")
-    return Thresholds(**data)
-
-
-@dataclass
-class Check:
-    """One threshold's outcome; ``passed`` is False too when the figure could not be measured."""
-
-    name: str
-    threshold: str
-    measured: str
-    passed: bool
-    detail: str = ""
-
-
-def _loss_difference(baseline: RunLog, offload: RunLog) -> str:
-    """Empty when both runs logged the same losses at the same iterations, else where they part."""
-    if baseline.steps.keys() != offload.steps.keys():
-        return f"iterations differ: {sorted(baseline.steps.keys() ^ offload.steps.keys())[:5]}"
-    differing = [i for i in sorted(baseline.steps) if baseline.steps[i].loss != offload.steps[i].loss]
-    if not differing:
-        return ""
-    first = differing[0]
-    return (
-        f"{len(differing)} iterations differ, first {first}: "
-        f"{baseline.steps[first].loss!r} vs {offload.steps[first].loss!r}"
-    )
-
-
-def evaluate(
-    summaries: dict[str, RunSummary], logs: dict[str, RunLog], expected_bytes: int | None, limits: Thresholds
-) -> tuple[dict[str, Any], list[Check]]:
-    """Measured savings of the offload run against the baseline, and every threshold's check."""
-    base, off = summaries["baseline"], summaries["offload"]
-
-    def difference(name: str) -> float | None:
-        a, b = getattr(base, name), getattr(off, name)
-        return a - b if a is not None and b is not None else None
-
-    saving_gib, peak_saving_gib = difference("allocated_gib"), difference("peak_gib")
-    fraction = saving_gib * GIB / expected_bytes if saving_gib is not None and expected_bytes else None
-    overhead = off.median_step_ms / base.median_step_ms - 1 if off.median_step_ms and base.median_step_ms else None
-    measured = {
-        "expected_gib": expected_bytes / GIB if expected_bytes else None,
-        "allocated_saving_gib": saving_gib,
-        "saving_fraction": fraction,
-        "peak_saving_gib": peak_saving_gib,
-        "step_time_overhead": overhead,
-        "offloaded_gib_logged": off.offloaded_gib,
-    }
-
-    def check(name: str, value: float | None, passes: bool, threshold: str, shown: str, detail: str = "") -> Check:
-        if value is None:
-            return Check(name, threshold, "n/a", False, "could not be measured from the logs")
-        return Check(name, threshold, shown.format(value), passes, detail)
-
-    expected_gib = measured["expected_gib"]
-    checks = [
-        check(
-            "min_saving_fraction",
-            fraction,
-            fraction is not None and fraction >= limits.min_saving_fraction,
-            f">= {limits.min_saving_fraction}",
-            "{:.3f}",
-            f"{saving_gib:.2f} of {expected_gib:.2f} GiB expected" if fraction is not None else "",
-        ),
-        check(
-            "min_peak_saving_gib",
-            peak_saving_gib,
-            peak_saving_gib is not None and peak_saving_gib >= limits.min_peak_saving_gib,
-            f">= {limits.min_peak_saving_gib} GiB",
-            "{:.2f} GiB",
-        ),
-        check(
-            "max_step_time_overhead",
-            overhead,
-            overhead is not None and overhead <= limits.max_step_time_overhead,
-            f"<= {limits.max_step_time_overhead:+.0%}",
-            "{:+.1%}",
-        ),
-    ]
-    if limits.losses_equal:
-        difference_text = _loss_difference(logs["baseline"], logs["offload"])
-        checks.append(Check("losses_equal", "identical", "identical" if not difference_text else "differ",
-                            not difference_text, difference_text))  # fmt: skip
-    return measured, checks
-
-
-def _cell(value: float | None, spec: str, suffix: str = "") -> str:
-    return "—" if value is None else f"{value:{spec}}{suffix}"
-
-
-def render_markdown(report: dict[str, Any]) -> str:
-    """The human page: one row per run, expected vs measured saving, each threshold, then the notes."""
-    env, runs, saving = report["environment"], report["runs"], report["saving"]
-    base_ms = runs["baseline"]["summary"]["median_step_ms"]
-    lines = [
-        "# Nightly memory comparison",
-        "",
-        f"On {env.get('device') or 'an unknown device'} ({report['gpus']} GPU), torch {env.get('torch')}, "
-        f"megatron-core {env.get('megatron_core')}, commit {env.get('commit')}; config `{report['config']}`; "
-        f"medians over the iterations after the first {WARMUP_ITERATIONS}, peaks at the last iteration.",
-        "",
-        "| run | status | median step ms | overhead vs baseline | allocated between steps GiB | peak allocated "
-        "GiB | peak reserved GiB | offloaded GiB/rank | exposed ms | final loss |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for name, run in runs.items():
-        s = run["summary"]
-        status = s["status"] if s["status"] == "ok" else f"{s['status']}: {s['detail']}".replace("|", "/")
-        overhead = s["median_step_ms"] / base_ms - 1 if s["median_step_ms"] and base_ms else None
-        lines.append(
-            f"| {name} | {status} | {_cell(s['median_step_ms'], '.1f')} | {_cell(overhead, '+.1%')} | "
-            f"{_cell(s['allocated_gib'], '.2f')} | {_cell(s['peak_gib'], '.2f')} | "
-            f"{_cell(s['max_reserved_gib'], '.2f')} | {_cell(s['offloaded_gib'], '.2f')} | "
-            f"{_cell(s['exposed_ms'], '.1f')} | {_cell(s['final_loss'], '.6E')} |"
-        )
-    expected = saving["expected_gib"]
-    lines += [
-        "",
-        "## Expected vs measured saving (offload vs baseline, per rank)",
-        "",
-        f"Expected: {saving['expected_how']}.",
-        "",
-        "| figure | expected GiB | measured GiB | measured / expected |",
-        "| --- | ---: | ---: | ---: |",
-    ]
-    for label, key in [("allocated between steps", "allocated_saving_gib"), ("peak allocated", "peak_saving_gib"),
-                       ("offloaded per rank (log line)", "offloaded_gib_logged")]:  # fmt: skip
-        value = saving[key]
-        ratio = value / expected if value is not None and expected else None
-        lines.append(f"| {label} | {_cell(expected, '.2f')} | {_cell(value, '.2f')} | {_cell(ratio, '.3f')} |")
-    lines += [
-        "",
-        "## Thresholds",
-        "",
-        "| check | threshold | measured | result | detail |",
-        "| --- | --- | --- | --- | --- |",
-    ]
-    for c in report["checks"]:
-        result = "PASS" if c["passed"] else "FAIL"
-        lines.append(f"| {c['name']} | {c['threshold']} | {c['measured']} | {result} | {c['detail']} |")
-    lines += ["", f"**Overall: {report['verdict']}**", ""]
-    if report["notes"]:
-        lines += ["## Notes", "", *(f"- {note}" for note in report["notes"]), ""]
-    return "\n".join(lines)

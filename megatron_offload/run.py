@@ -21,14 +21,11 @@ import torch
 
 from megatron_offload.config.files import NO_CUDA, add_switch_inverses, expand_config_argv, parse_error
 from megatron_offload.config.flags import UPSTREAM_FLAG, add_offload_args, check_offload_combinations
-from megatron_offload.core.gpu_memory import gpu_only
-from megatron_offload.core.units import GIB
 from megatron_offload.megatron.optimizer_adapter import OffloadFitError
-from megatron_offload.megatron.out_of_memory import out_of_memory_line
+from megatron_offload.megatron.out_of_memory import line_for
 from megatron_offload.megatron.training_hooks import (
     MissingMegatronTraining,
     install_training_hooks,
-    parsed_megatron_args,
 )
 
 USAGE = "usage: python -m megatron_offload.run SCRIPT [--config FILE.yaml] [SCRIPT ARGS...]"
@@ -110,8 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         print(error, file=sys.stderr, flush=True)
         return 2
     except torch.OutOfMemoryError as error:  # the numbers and what would move more off the GPU, in one line
-        peak = gpu_only(torch.cuda.max_memory_reserved())
-        print(out_of_memory_line(error, parsed_megatron_args(), peak, GIB), file=sys.stderr, flush=True)
+        print(line_for(error), file=sys.stderr, flush=True)
         return 1
     return 0
 

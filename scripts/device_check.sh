@@ -18,7 +18,10 @@
 #            sweep        (not in the default) the memory-speed curve under caps ($SWEEP_ARGS)
 #            long         (not in the default) benchmarks/long_context.py: the SDPA spec, --chunked-loss and
 #                         --offload-layer-inputs in Megatron-LM's loop; LONG_PART=fit|speed (the 4.18B GPT at
-#                         65,536 tokens, H200), bitwise (16 x 2048 at 16k), longest (LONG_CONFIG, LONG_CAP)
+#                         65,536 tokens, H200), bitwise (16 x 2048 at 16k), longest (LONG_CONFIG, LONG_CAP),
+#                         step (configs/gpt_1b.yaml at 16k, 8 micro-batches: the optimizer step in one streamed
+#                         pass beside megatron-core's passes and no offload, bitwise)
+#            nightly      (not in the default) scripts/nightly_memory.sh without the CPU-offload reference row
 #            weights      (not in the default) benchmarks/weight_streaming.py: configs/gpt_1b.yaml at micro-batch 8
 #                         beside no offload, log intervals 1 and 5 (~7 min), and configs/gpt_4b.yaml under a
 #                         20 GiB cap (~4 min): run as two calls, WEIGHTS_PART=speed or fit
@@ -104,10 +107,25 @@ if wants long; then  # not in the default PARTS: long context in Megatron-LM's l
     speed) long_args="--config configs/gpt_4b.yaml --seq 65536 --cap 24 --rows new base --train-iters 4 --global-batch-size 4" ;;
     bitwise) long_args="--config configs/gpt_1b.yaml --extra '--num-layers 16' --seq 16384 --cap 0 --rows new base --train-iters 6 --global-batch-size 2 --deterministic" ;;
     longest) long_args="--config ${LONG_CONFIG:-configs/gpt_1b.yaml} --cap ${LONG_CAP:-24} --rows --longest 16384 262144" ;;
+    step) long_args="--config configs/gpt_1b.yaml --seq 16384 --cap 0 --rows new base --train-iters 6 --global-batch-size 8 --deterministic" ;;
   esac
   echo "=== long context (${LONG_PART:-fit}): ${LONG_ARGS:-$long_args}"
   eval "python3 -m benchmarks.long_context --megatron-lm \"${MEGATRON_LM:-.megatron-lm}\" ${LONG_ARGS:-$long_args} \
     --out \"$results/long-${LONG_PART:-fit}\"" 2>&1 | tee "$results/long.log" | grep -vE "Warning|warn" | tail -n 12
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if wants long && [ "${LONG_PART:-fit}" = step ]; then  # the same rows with megatron-core's own step passes
+  echo "=== long context (step): megatron-core's step passes"
+  python3 -m benchmarks.long_context --megatron-lm "${MEGATRON_LM:-.megatron-lm}" --config configs/gpt_1b.yaml \
+    --seq 16384 --cap 0 --rows new --train-iters 6 --global-batch-size 8 --deterministic \
+    --extra "--offload-weights-step megatron" --out "$results/long-step-megatron" 2>&1 | tee "$results/long-megatron.log" \
+    | grep -vE "Warning|warn" | tail -n 4
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if wants nightly; then  # not in the default PARTS: five runs of configs/nightly_memory.yaml and the report
+  echo "=== nightly memory comparison"
+  SKIP_CPU_OFFLOAD=1 OUT="$results/nightly" bash scripts/nightly_memory.sh 2>&1 | tee "$results/nightly.log" \
+    | grep -vE "Warning|warn" | tail -n 16
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if wants integration; then

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The nightly CI job: baseline, --offload-optimizer-states and --optimizer-cpu-offload runs of the nightly
-# config, a report (report.md/json, two plots) and a verdict; exits with benchmarks/compare_memory.py's status
-# (0 pass, 1 a threshold failed, 2 usage error or the baseline/offload run failed). Re-runnable: each run
-# rewrites OUT/report.json, report.md, peak_memory.png, memory_timeline.png and thresholds_reached.yaml.
-# Thresholds: THRESHOLDS names the file (configs/nightly_thresholds.yaml by default); after a first run on
-# the nightly's machine, OUT/thresholds_reached.yaml holds them set from what that run reached (the room
-# each gets: REACHED_* in benchmarks/compare_memory.py): copy it over configs/nightly_thresholds.yaml.
+# The nightly CI job: the nightly config run without offload, with the smallest footprint
+# (--offload-prefetch step), and under a cap (no offload's peak reserved less half the optimizer state)
+# without offload and with --offload-optimizer-states alone, plus megatron-core's --optimizer-cpu-offload
+# as a reference; then a report (report.md/json, plots where matplotlib is installed) and a verdict. Exits
+# with benchmarks/compare_memory.py's status (0 pass, 1 a check failed, 2 usage error or the no-offload or
+# step run failed). Re-runnable: each run rewrites OUT's logs and report.
+# Thresholds: THRESHOLDS names the file (configs/nightly_thresholds.yaml by default); step times are held
+# to a floor measured in the same run, so the file holds no machine's figures.
 #   usage: bash scripts/nightly_memory.sh [EXTRA MEGATRON ARGS...]
 #   env:   OUT=nightly-memory/YYYY-MM-DD  GPUS=1  ITERS=(the config's)  CONFIG=configs/nightly_memory.yaml
 #          THRESHOLDS=configs/nightly_thresholds.yaml  PYTHON=(.venv-gpu/bin/python if present, else python3)

@@ -60,6 +60,7 @@ from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_l
 
 import megatron_offload
 from megatron_offload.megatron.optimizer_adapter import OffloadFitError  # noqa: E402
+from megatron_offload.megatron.out_of_memory import line_for
 from megatron_offload.megatron.training_hooks import install_training_hooks
 
 
@@ -189,3 +190,6 @@ if __name__ == "__main__":
     except OffloadFitError as error:  # a setting that cannot fit: one line, the state is whole on the host
         print(error, file=sys.stderr, flush=True)
         sys.exit(2)
+    except torch.OutOfMemoryError as error:  # the numbers and what would move more off the GPU, in one line
+        print(line_for(error), file=sys.stderr, flush=True)
+        sys.exit(1)

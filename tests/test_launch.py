@@ -100,7 +100,7 @@ def test_integration_reads_losses_memory_and_offload_figures_from_megatron_logs(
 
     logs = ROOT / "tests" / "data" / "memory_logs"
     baseline = integration.parse_log((logs / "baseline.log").read_text())
-    offload = integration.parse_log((logs / "offload.log").read_text())
+    offload = integration.parse_log((logs / "step.log").read_text())
     assert baseline["losses"] and baseline["losses"] == offload["losses"]
     assert baseline["offloaded_GiB_per_rank"] is None and offload["offloaded_GiB_per_rank"] > 0
     assert offload["max_allocated_MiB"] < baseline["max_allocated_MiB"]

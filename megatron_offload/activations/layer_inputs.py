@@ -11,9 +11,9 @@ Order of a forward-backward pass of L checkpointed layers:
 - forward: the pack of input i sends input i-1 out (one behind, so that the last input of the pass never
   leaves: the backward starts with it); the GPU memory of a sent input goes back to the allocator once
   its copy has read it (``keep_until_copied``), never before;
-- backward, in reverse: the unpack of input i waits (on the device) for it and starts bringing input i-1
-  into the other GPU slot, which the compute stream has finished with: the recompute and backward of
-  layer i+1, which used it, were queued before this unpack.
+- backward, in reverse: the unpack of input i waits (on the device) for it unless it has landed, and
+  starts bringing input i-1 into the other GPU slot, which the compute stream has finished with: the
+  recompute and backward of layer i+1, which used it, were queued before this unpack.
 The compute stream waits on events only; the host never waits.
 
 NOTE: a host buffer goes back to the pool at its unpack. The next copy into it is queued after a mark of
@@ -29,7 +29,10 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_offload.core.host_memory import HostSlab
+from megatron_offload.core.progress import say
+from megatron_offload.core.stats import WaitClock
 from megatron_offload.core.streams import OFFLOAD, PREFETCH, Event, Streams
+from megatron_offload.core.units import GIB
 
 __all__ = ["LayerInputOffloader", "LayerInputStats"]
 
@@ -47,6 +50,7 @@ class LayerInputStats:
     bytes_in: int = 0
     exposed_ms: float = 0.0
     host_bytes: int = 0
+    host_buffers: int = 0
     gpu_slot_bytes: int = 0
 
 
@@ -85,7 +89,8 @@ class LayerInputOffloader:
         self._last: Saved | None = None
         self._free_host: dict[int, list[HostSlab]] = defaultdict(list)
         self._slots: list[_Slot] = []
-        self._waits: list[tuple[Event | None, Event | None]] = []
+        self._waits = WaitClock(MAX_PENDING_WAITS)
+        self._announced = 0  # host bytes already told of in a line (the first pass pins a buffer per layer)
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """The context to run a forward pass in: its checkpoints' saved layer inputs go through us."""
@@ -102,8 +107,16 @@ class LayerInputOffloader:
             self._expected = tensor
 
     def end_pass(self) -> None:
-        """The forward pass is over: its last input stays on the GPU (the backward begins with it)."""
+        """The forward pass is over: its last input stays on the GPU (the backward begins with it). A pass
+        that made host buffers says so in one line (not one per layer)."""
         self._expected, self._last = None, None
+        if self.stats.host_bytes > self._announced:
+            say(
+                f"megatron-offload: layer inputs hold {self.stats.host_bytes / GIB:.2f} GiB of "
+                f"{'pinned' if self.pin else 'pageable'} host memory ({self.stats.host_buffers} buffers), "
+                "made once and reused"
+            )
+            self._announced = self.stats.host_bytes
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor | Saved:
         if tensor is not self._expected or not tensor.is_contiguous():
@@ -123,10 +136,9 @@ class LayerInputOffloader:
         if saved.host is not None and saved.arrived is None:
             self._fetch(saved)  # not brought ahead (the first input a backward needs after an odd order): now
         if saved.arrived is not None:
-            self._waits.append(self.streams.compute_waits(saved.arrived))  # on the device: the input is there
+            if not saved.arrived.query():  # landed already (a host query, no wait): nothing to order
+                self._waits.add(*self.streams.compute_waits(saved.arrived))  # on the device: the input is there
             self.stats.fetched += 1
-            if len(self._waits) > MAX_PENDING_WAITS:
-                self.read_stats()  # folds the finished waits in: their events go, without a host wait
         mark = self.streams.mark()  # the layers after this one: their recompute and backward are queued
         for slot in self._slots:
             if slot.holder is not None and slot.holder.used:
@@ -139,15 +151,7 @@ class LayerInputOffloader:
         return saved.gpu
 
     def read_stats(self) -> LayerInputStats:
-        pending = []
-        for start, end in self._waits:
-            if start is None or end is None:
-                continue
-            if end.query():  # never a host wait: unfinished waits are counted at a later read
-                self.stats.exposed_ms += start.elapsed_time(end)
-            else:
-                pending.append((start, end))
-        self._waits = pending
+        self.stats.exposed_ms = self._waits.read()  # never a host wait: unfinished waits count at a later read
         return LayerInputStats(**vars(self.stats))
 
     def _send(self, saved: Saved) -> None:
@@ -199,8 +203,9 @@ class LayerInputOffloader:
         free = self._free_host[nbytes]
         if free:
             return free.pop()
-        slab = HostSlab(nbytes, torch.uint8, pin=self.pin, label="layer inputs' host memory")
+        slab = HostSlab(nbytes, torch.uint8, pin=self.pin, label="layer inputs' host memory", announce=False)
         self.stats.host_bytes += nbytes
+        self.stats.host_buffers += 1
         return slab
 
     def _return_host(self, saved: Saved) -> None:

@@ -137,10 +137,10 @@ def add_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         "--offload-prefetch",
         choices=[policy.value for policy in PrefetchPolicy],
         default=DEFAULTS.prefetch.value,
-        help="When the state comes back to the GPU. 'auto' (default): during the last micro-batch's "
-        "backward, into memory backward has freed, and the rest streams through the optimizer step. "
-        "'finalize': all of it once backward is done. 'step': none ahead; the step streams it all, "
-        "holding only three chunks on the GPU (the smallest footprint).",
+        help="When the state that moves comes back to the GPU. 'auto' (default): during the last "
+        "micro-batch's backward, into memory backward has freed, and the rest streams through the optimizer "
+        "step. 'finalize': all of it once backward is done. 'step': the smallest footprint: none of the "
+        "state stays on the GPU and none comes back ahead; the step streams it all through three chunks.",
     )
     group.add_argument(
         "--offload-chunk-mb",
@@ -155,10 +155,10 @@ def add_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         type=offload_fraction,
         default=DEFAULTS.fraction,
         metavar="{auto,F}",
-        help="Offload this share of the optimizer state (0 to 1, default 1) and keep the rest on the "
-        "GPU: lower it when the job fits with less saving and you want less copying. 'auto': keep on the "
-        "GPU as much state as the memory limit allows (measured over the first iterations) and offload "
-        "the rest.",
+        help="'auto' (default): keep on the GPU all the optimizer state that fits under the memory limit "
+        "(--offload-gpu-memory-cap-gib, else the GPU's memory) beside what training needs without it, "
+        "measured in iteration 1, and move only the rest: with room to spare nothing moves. A number F: "
+        "offload at least this share (0 to 1); the run stops in one line if the rest does not fit.",
     )
     group.add_argument(
         "--offload-gpu-memory-cap-gib",

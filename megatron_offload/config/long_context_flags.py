@@ -9,20 +9,45 @@ where it is named. Everything else is refused in one line naming the flag and wh
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
-from megatron_offload.config.refusals import Check, on, over_one, refuse, set_
+from megatron_offload.config.refusals import CUDA_GRAPHS, Check, is_not, is_other_than, on, over_one, refuse, set_
 
 __all__ = [
     "SDPA_SPEC",
+    "LongContextConfig",
     "add_long_context_args",
     "check_long_context_flags",
     "layer_input_bytes_per_rank",
+    "long_context_config_from_args",
     "uses_sdpa_spec",
 ]
 
 LAYER_INPUTS = "--offload-layer-inputs"
 CHUNKED_LOSS = "--chunked-loss"
 SDPA_SPEC = ["megatron_offload.megatron.sdpa_spec", "gpt_layer_spec"]
+
+
+@dataclass(frozen=True)
+class LongContextConfig:
+    """Long-context training as the flags ask for it, read once after validation."""
+
+    layer_inputs: bool = False
+    """Each checkpointed layer's input waits in pinned host memory until its recompute."""
+    chunked_loss: bool = False
+    """The output layer and cross entropy a chunk of tokens at a time."""
+    chunk_tokens: int | None = None
+    """Tokens per chunk of the chunked loss; None: about 256 MiB of fp32 logits per chunk."""
+
+    @property
+    def wanted(self) -> bool:
+        return self.layer_inputs or self.chunked_loss
+
+
+def long_context_config_from_args(args: argparse.Namespace) -> LongContextConfig:
+    """The long-context settings of parsed (and checked) arguments."""
+    tokens = getattr(args, "chunked_loss_tokens", None)
+    return LongContextConfig(on(args, "offload_layer_inputs"), on(args, "chunked_loss"), tokens)
 
 
 def add_long_context_args(group: argparse._ArgumentGroup) -> None:
@@ -49,19 +74,14 @@ def add_long_context_args(group: argparse._ArgumentGroup) -> None:
     )
 
 
-def _not_full(args: argparse.Namespace, name: str) -> bool:
-    return getattr(args, name, None) != "full"
-
-
 _LAYER_INPUTS: list[Check] = [
-    ("recompute_granularity", _not_full, "moves the inputs full recompute keeps: add --recompute-granularity full"),
+    ("recompute_granularity", is_not("full"), "moves what full recompute keeps: add --recompute-granularity full"),
     ("distribute_saved_activations", on, "cannot move inputs split across tensor-parallel ranks: drop it"),
     ("fp8", set_, "does not support fp8 yet (its checkpoint is TransformerEngine's): drop it"),
     ("fp4", set_, "does not support fp4 yet (its checkpoint is TransformerEngine's): drop it"),
     ("cpu_offloading", on, "and TransformerEngine's activation offloading cannot be combined: drop one"),
     ("fine_grained_activation_offloading", on, "and fine-grained activation offloading cannot be combined: drop one"),
-    ("enable_cuda_graph", on, "cannot run under CUDA graphs (they bypass the layers' hooks): drop it"),
-    ("external_cuda_graph", on, "cannot run under CUDA graphs (they bypass the layers' hooks): drop it"),
+    *CUDA_GRAPHS,
 ]
 
 _CHUNKED_LOSS: list[Check] = [
@@ -80,7 +100,7 @@ def uses_sdpa_spec(args: argparse.Namespace) -> bool:
 _SDPA: list[Check] = [
     ("context_parallel_size", over_one, "runs without context parallelism: set it to 1"),
     ("window_size", set_, "has no sliding window: drop it"),
-    ("softmax_type", lambda args, name: getattr(args, name, "vanilla") not in (None, "vanilla"), "use vanilla"),
+    ("softmax_type", is_other_than("vanilla"), "use vanilla"),
     (
         "create_attention_mask_in_dataloader",
         on,

@@ -17,7 +17,7 @@ from megatron_offload.core.units import GIB
 __all__ = ["AUTO", "OffloadConfig", "PrefetchPolicy", "SettingError"]
 
 AUTO = "auto"
-"""The ``fraction`` that lets the offloader choose how much to keep on the GPU."""
+"""The ``fraction`` (the default) that keeps on the GPU all the state that fits under the memory limit."""
 
 
 class PrefetchPolicy(str, Enum):
@@ -25,12 +25,13 @@ class PrefetchPolicy(str, Enum):
     streams through the pipelined step, chunk by chunk."""
 
     AUTO = "auto"
-    """During the last micro-batch's backward, into memory that backward has freed (so the peak does
-    not rise); the rest streams through the step."""
+    """What moves comes back during the last micro-batch's backward, into memory that backward has freed
+    (so the peak does not rise); the rest streams through the step."""
     FINALIZE = "finalize"
     """All of it when gradients are finalized (backward done): the copy overlaps the gradient reduction."""
     STEP = "step"
-    """None of it ahead: the step streams everything, holding at most three chunks on the GPU."""
+    """The smallest footprint: with ``fraction`` "auto" none of the state stays on the GPU, and none comes
+    back ahead: the step streams it all, holding at most three chunks on the GPU."""
 
 
 class SettingError(ValueError):
@@ -56,18 +57,18 @@ class OffloadConfig:
     chunk_mb: float = 64.0
     """Size of the pieces the state moves in, in MiB: whole parameters, so a parameter larger than
     this makes a chunk of its own. The pipelined step holds three chunks on the GPU."""
-    fraction: float | Literal["auto"] = 1.0
-    """Share of the state to offload (0 to 1, in whole chunks); the rest stays on the GPU. ``"auto"``:
-    keep on the GPU as much as the memory limit allows (measured over the first iterations), offload
-    the rest."""
+    fraction: float | Literal["auto"] = AUTO
+    """``"auto"`` (the default): keep on the GPU all the state that fits under the memory limit beside
+    what training needs without it (measured in iteration 1), whole chunks, rounded down; move the rest.
+    A number: offload at least this share (0 to 1); the rest, whole chunks, stays if it fits."""
     pin_memory: bool = True
     """Pin the host buffers (fast, asynchronous copies); off only for tests on machines without CUDA."""
     check_host_memory: bool = True
     """Refuse to start when the node's host memory cannot hold every rank's offloaded state."""
     gpu_memory_cap_gib: float | None = None
-    """Let this process use at most this many GiB of GPU memory, as on a GPU that small, and plan what
-    stays on the GPU against it; None: the GPU as it is. ``attach_offloader`` applies it (the launcher
-    applies it earlier, before the model is built, so that everything counts against it)."""
+    """Let this process use at most this many GiB of GPU memory, as on a GPU that small, and decide what
+    stays on the GPU against it; None: the GPU's own memory is the limit. ``attach_offloader`` applies it
+    (the launcher applies it earlier, before the model is built, so that everything counts against it)."""
 
     def __post_init__(self) -> None:
         cap = self.gpu_memory_cap_gib
@@ -89,7 +90,8 @@ class OffloadConfig:
         if self.fraction != AUTO and (not _is_number(self.fraction) or not 0.0 <= self.fraction <= 1.0):
             raise SettingError(
                 "fraction",
-                "must be 'auto' or a number from 0 (offload nothing) to 1 (offload all, the default), "
+                "must be 'auto' or a number from 0 (offload nothing) to 1 (offload all); 'auto', the default, keeps "
+                "what fits; "
                 f"got {self.fraction!r}",
             )
         for name in ("offload_master_weights", "pin_memory", "check_host_memory"):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-__all__ = ["Check", "flag", "is_not", "is_other_than", "on", "over_one", "refuse", "set_"]
+__all__ = ["CUDA_GRAPHS", "Check", "flag", "is_not", "is_other_than", "on", "over_one", "refuse", "set_"]
 
 Test = Callable[[argparse.Namespace, str], bool]
 Check = tuple[str, Test, str]  # (argument name, is it unsupported?, what to tell the user)
@@ -32,6 +32,15 @@ def on(args: argparse.Namespace, name: str) -> bool:
 
 def set_(args: argparse.Namespace, name: str) -> bool:
     return getattr(args, name, None) not in (None, False, "none")
+
+
+# Every way Megatron runs layers under CUDA graphs, which replay kernels past the layers' Python hooks.
+_GRAPHS = "cannot run under CUDA graphs (they bypass the layers' hooks)"
+CUDA_GRAPHS: list[Check] = [
+    ("enable_cuda_graph", on, f"{_GRAPHS}: drop it"),
+    ("external_cuda_graph", on, f"{_GRAPHS}: drop it"),
+    ("cuda_graph_impl", is_other_than("none"), f"{_GRAPHS}: use none"),
+]
 
 
 def flag(name: str) -> str:

@@ -11,12 +11,41 @@ one line naming the flag and what to do.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
-from megatron_offload.config.refusals import Check, is_not, is_other_than, on, over_one, refuse, set_
+from megatron_offload.config.refusals import CUDA_GRAPHS, Check, is_not, is_other_than, on, over_one, refuse, set_
 
-__all__ = ["add_weight_args", "check_weight_flags"]
+__all__ = ["STEP_MODES", "WeightConfig", "add_weight_args", "check_weight_flags", "weight_config_from_args"]
 
 FLAG = "--offload-weights"
+STEP_FLAG = "--offload-weights-step"
+STEP_MODES = ("streamed", "megatron")
+
+
+@dataclass(frozen=True)
+class WeightConfig:
+    """Weight streaming as the flags ask for it, read once after validation."""
+
+    enabled: bool = False
+    """Stream every transformer layer's weights and gradients from host memory."""
+    step: str = "streamed"
+    """The optimizer step: "streamed" (one pass over host memory) or "megatron" (megatron-core's own
+    passes, for comparison)."""
+
+    def __post_init__(self) -> None:
+        if self.step not in STEP_MODES:
+            raise ValueError(f"{STEP_FLAG} must be one of {', '.join(STEP_MODES)}; got {self.step!r}")
+
+    @property
+    def streamed_step(self) -> bool:
+        return self.enabled and self.step == "streamed"
+
+
+def weight_config_from_args(args: argparse.Namespace) -> WeightConfig:
+    """The weight-streaming settings of parsed (and validated) arguments."""
+    return WeightConfig(
+        bool(getattr(args, "offload_weights", False)), getattr(args, "offload_weights_step", "streamed")
+    )
 
 
 def add_weight_args(group: argparse._ArgumentGroup) -> None:
@@ -28,6 +57,8 @@ def add_weight_args(group: argparse._ArgumentGroup) -> None:
         "full --recompute-method uniform --recompute-num-layers 1): trains models whose weights, gradients "
         "and optimizer state do not fit the GPU. The embedding and output layer stay on the GPU.",
     )
+    # Hidden: megatron-core's own step passes over host memory, to compare the streamed step against.
+    group.add_argument(STEP_FLAG, choices=STEP_MODES, default="streamed", help=argparse.SUPPRESS)
 
 
 # (argument name, is it unsupported?, what to tell the user)
@@ -45,9 +76,7 @@ _AS_GIVEN: list[Check] = [
     ("fp16", on, "supports --bf16 (or fp32) training only: use --bf16"),
     ("fp8", set_, "does not support fp8 yet: drop it"),
     ("fp4", set_, "does not support fp4 yet: drop it"),
-    ("enable_cuda_graph", on, "cannot run under CUDA graphs (they bypass the layers' hooks): drop it"),
-    ("external_cuda_graph", on, "cannot run under CUDA graphs (they bypass the layers' hooks): drop it"),
-    ("cuda_graph_impl", is_other_than("none"), "cannot run under CUDA graphs (they bypass its hooks): use none"),
+    *CUDA_GRAPHS,
     ("cpu_offloading", on, "and activation offloading (--cpu-offloading) cannot be combined: drop it"),
     ("num_layers_per_virtual_pipeline_stage", set_, "streams on one GPU only for now: drop it"),
     ("init_model_with_meta_device", on, "builds the model in host memory itself: drop it"),

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_offload.core.progress import pin_progress
+from megatron_offload.core.progress import MIN_BYTES, pin_progress
 from megatron_offload.core.units import GIB, MIB
 
 logger = logging.getLogger(__name__)
@@ -42,7 +42,8 @@ class HostSlab:
 
     ``on_pin_failure``: "warn" falls back to pageable memory with a warning that says what it costs
     (measured then); "raise" stops with a ``HostMemoryError`` instead, before training starts. ``label``
-    names the memory in the pinning progress lines and errors (sleep pins slabs of its own)."""
+    names the memory in the pinning progress lines and errors (sleep pins slabs of its own); ``announce=False``
+    pins without progress lines (a caller making many slabs says what they add up to once)."""
 
     def __init__(
         self,
@@ -52,6 +53,7 @@ class HostSlab:
         on_pin_failure: str = "warn",
         *,
         label: str = "optimizer state's host memory",
+        announce: bool = True,
     ) -> None:
         if on_pin_failure not in ("warn", "raise"):
             raise ValueError(f"on_pin_failure must be 'warn' or 'raise', got {on_pin_failure!r}")
@@ -71,7 +73,8 @@ class HostSlab:
             ) from error
         self.pinned = False
         if pin and nbytes > 0 and _cuda_available():
-            with pin_progress(nbytes, label):  # seconds per 10 GiB: say so
+            # Seconds per 10 GiB: say so (unless the caller sums its slabs up in a line of its own).
+            with pin_progress(nbytes, label, min_bytes=MIN_BYTES if announce else nbytes + 1):
                 error = _pin(self.tensor.data_ptr(), nbytes)
             if error == 0:
                 self.pinned = True

@@ -12,7 +12,7 @@ from typing import TextIO
 
 from megatron_offload.core.units import GIB
 
-__all__ = ["pin_progress"]
+__all__ = ["pin_progress", "say"]
 
 MIN_BYTES = GIB // 4  # below this pinning takes well under a second: say nothing
 
@@ -24,6 +24,12 @@ def _first_rank() -> bool:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank() == 0
     return int(os.environ.get("RANK", "0")) == 0
+
+
+def say(message: str, *, stream: TextIO | None = None) -> None:
+    """One line of the product's, on the job's first rank only."""
+    if _first_rank():
+        print(message, file=stream or sys.stderr, flush=True)
 
 
 @contextmanager
@@ -38,13 +44,12 @@ def pin_progress(
     """Wrap the pinning of ``nbytes``: on the first rank, a line before ("pinning 12.00 GiB of host
     memory ...") and one after with the time and rate, so a slow start is explained and measured. Says
     nothing for small amounts, on other ranks, or after an error (the error speaks)."""
-    show = nbytes >= min_bytes and _first_rank()
-    out = stream or sys.stderr
+    show = nbytes >= min_bytes
     head = f"megatron-offload: pinning {nbytes / GIB:.2f} GiB of {what} ..."
     if show:
-        print(head, file=out, flush=True)
+        say(head, stream=stream)
     start = clock()
     yield
     if show:
         seconds = max(clock() - start, 1e-9)
-        print(f"{head} done in {seconds:.1f} s ({nbytes / GIB / seconds:.1f} GiB/s)", file=out, flush=True)
+        say(f"{head} done in {seconds:.1f} s ({nbytes / GIB / seconds:.1f} GiB/s)", stream=stream)

@@ -5,10 +5,11 @@ Copy and wait times are read from CUDA events once they have completed, never by
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
-__all__ = ["OffloadStats", "Timing", "Timings"]
+__all__ = ["OffloadStats", "Timing", "Timings", "WaitClock", "totals"]
 
 KINDS = ("offload", "prefetch", "exposed")  # copies out, copies back, the compute stream waiting for one
 
@@ -41,6 +42,22 @@ class OffloadStats:
     def offloaded_bytes(self) -> int:
         """State that leaves the GPU between steps."""
         return self.host_bytes - self.kept_bytes
+
+
+def totals(readings: Iterable[OffloadStats]) -> OffloadStats:
+    """Several offloaders' readings as one: counts of steps and the device's peaks are the largest, pinned
+    only if all are, every other figure summed."""
+    total = OffloadStats()
+    for stats in readings:
+        for field in fields(OffloadStats):
+            value = getattr(stats, field.name)
+            if field.name == "pinned":
+                total.pinned = total.pinned and value
+            elif field.name in ("offloads", "prefetches", "peak_allocated_bytes", "peak_reserved_bytes"):
+                setattr(total, field.name, max(getattr(total, field.name), value))
+            else:
+                setattr(total, field.name, getattr(total, field.name) + value)
+    return total
 
 
 class Timing(NamedTuple):
@@ -84,3 +101,33 @@ class Timings:
                 newest = max(complete)
                 setattr(stats, f"last_{kind}_seconds", per_step[newest])
                 self._per_step[kind] = {s: v for s, v in per_step.items() if s >= newest}
+
+
+class WaitClock:
+    """How long the compute stream stood waiting for copies: each timed wait (``Streams.compute_waits``'s
+    events) is added as it is queued and counted once its events have completed (``query``, never a wait).
+    Past ``most_pending`` uncounted waits, adding one counts the completed ones, so a caller that never
+    reads holds no more than that many events."""
+
+    def __init__(self, most_pending: int = 256) -> None:
+        self.ms = 0.0
+        self._pending: list[tuple[Any, Any]] = []
+        self._most_pending = most_pending
+
+    def add(self, start: Any, end: Any) -> None:
+        if start is None or end is None:  # streams that do not time (the CPU's)
+            return
+        self._pending.append((start, end))
+        if len(self._pending) > self._most_pending:
+            self.read()
+
+    def read(self) -> float:
+        """Milliseconds waited in the waits completed by now; the rest stay for a later reading."""
+        pending = []
+        for start, end in self._pending:
+            if end.query():
+                self.ms += start.elapsed_time(end)
+            else:
+                pending.append((start, end))
+        self._pending = pending
+        return self.ms

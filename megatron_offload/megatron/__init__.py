@@ -2,6 +2,9 @@
 
 __all__ = [
     "adam_resume",
+    "finalize_prefetch",
+    "kept_decision",
+    "offload_handle",
     "optimizer_adapter",
     "optimizer_internals",
     "pacing",

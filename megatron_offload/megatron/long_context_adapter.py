@@ -14,7 +14,6 @@ Everything is wrapped or hooked on instances; no source is changed, and ``detach
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ import torch
 
 from megatron_offload.activations.chunked_loss import chunked_linear_cross_entropy, default_chunk_tokens
 from megatron_offload.activations.layer_inputs import LayerInputOffloader
+from megatron_offload.core.patches import InstancePatches
 from megatron_offload.core.streams import streams_for
 
 __all__ = [
@@ -43,15 +43,10 @@ class LongContextHandle:
 
     layer_inputs: LayerInputOffloader | None = None
     chunk_tokens: int | None = None
-    hooks: list[Any] = field(default_factory=list)
-    wrapped: list[tuple[Any, str]] = field(default_factory=list)
+    patches: InstancePatches = field(default_factory=InstancePatches)
 
     def detach(self) -> None:
-        for hook in self.hooks:
-            hook.remove()
-        for obj, name in self.wrapped:
-            obj.__dict__.pop(name, None)
-        self.hooks, self.wrapped = [], []
+        self.patches.undo()
 
 
 def _types() -> tuple[type, type, type]:
@@ -60,17 +55,6 @@ def _types() -> tuple[type, type, type]:
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     return GPTModel, TransformerBlock, TransformerLayer
-
-
-def _wrap_forward(handle: LongContextHandle, module: Any, around: Callable[..., Any]) -> None:
-    original = module.forward
-
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        return around(original, *args, **kwargs)
-
-    module.forward = forward  # on the instance: the class and other instances are untouched
-    handle.wrapped.append((module, "forward"))
 
 
 def attach_layer_input_offloader(model_chunks: list[Any], handle: LongContextHandle, pin: bool = True) -> None:
@@ -101,10 +85,10 @@ def attach_layer_input_offloader(model_chunks: list[Any], handle: LongContextHan
                 offloader.note_input(hidden)
 
     for block in blocks:
-        _wrap_forward(handle, block, run_block)
+        handle.patches.wrap(block, "forward", run_block)
         for layer in block.modules():
             if isinstance(layer, layer_type):
-                handle.hooks.append(layer.register_forward_pre_hook(note, with_kwargs=True))
+                handle.patches.hook(layer.register_forward_pre_hook(note, with_kwargs=True))
 
 
 def supports_output_processor() -> bool:
@@ -137,4 +121,4 @@ def attach_chunked_loss(model_chunks: list[Any], handle: LongContextHandle, chun
         return original(*args, **kwargs)
 
     for model in models:
-        _wrap_forward(handle, model, run_model)
+        handle.patches.wrap(model, "forward", run_model)

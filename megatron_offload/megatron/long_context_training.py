@@ -4,10 +4,10 @@ flags ask. The attention is a layer spec Megatron-LM builds itself (``sdpa_spec`
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 from megatron_offload.activations.layer_inputs import LayerInputStats
+from megatron_offload.config.long_context_flags import LongContextConfig
 from megatron_offload.core.units import GIB
 from megatron_offload.megatron.long_context_adapter import (
     LongContextHandle,
@@ -18,20 +18,18 @@ from megatron_offload.megatron.long_context_adapter import (
 __all__ = ["attach_long_context", "layer_input_log_fields"]
 
 
-def attach_long_context(model_chunks: Any, args: argparse.Namespace) -> LongContextHandle | None:
-    """Attach what ``--offload-layer-inputs`` and ``--chunked-loss`` ask for; None when neither is given.
-    Returns the handle, whose ``detach`` undoes it; a failure undoes what was attached and raises."""
-    layer_inputs = bool(getattr(args, "offload_layer_inputs", False))
-    chunked = bool(getattr(args, "chunked_loss", False))
-    if not (layer_inputs or chunked):
+def attach_long_context(model_chunks: Any, config: LongContextConfig) -> LongContextHandle | None:
+    """Attach what ``config`` asks for; None when it asks for nothing. Returns the handle, whose ``detach``
+    undoes it; a failure undoes what was attached and raises."""
+    if not config.wanted:
         return None
     chunks = model_chunks if isinstance(model_chunks, list) else [model_chunks]
     handle = LongContextHandle()
     try:
-        if layer_inputs:
+        if config.layer_inputs:
             attach_layer_input_offloader(chunks, handle)
-        if chunked:
-            attach_chunked_loss(chunks, handle, getattr(args, "chunked_loss_tokens", None))
+        if config.chunked_loss:
+            attach_chunked_loss(chunks, handle, config.chunk_tokens)
     except BaseException:
         handle.detach()
         raise

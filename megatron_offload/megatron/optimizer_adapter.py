@@ -1,5 +1,5 @@
-"""Attach the engine to megatron-core's DistributedOptimizer(s): the handle the training loop's hooks
-call, and the wrappers around the optimizer's step, state access and finalize function.
+"""Attach the engine to megatron-core's DistributedOptimizer(s): an offloader per DistributedOptimizer, the
+wrappers around its step and state access, and the handle (offload_handle.py) the training loop's hooks call.
 
 Every reach into megatron-core's internals it uses is in optimizer_internals.py, with the versions it
 was checked against.
@@ -7,18 +7,16 @@ was checked against.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable
-from dataclasses import fields
 from typing import Any
 
 import torch
 
-from megatron_offload.config.options import OffloadConfig, PrefetchPolicy
-from megatron_offload.core.gpu_memory import apply_memory_cap, expandable_segments_from_now, memory_limit_bytes
-from megatron_offload.core.stats import OffloadStats
-from megatron_offload.core.units import GIB, MIB
+from megatron_offload.config.options import AUTO, OffloadConfig, PrefetchPolicy
+from megatron_offload.core.gpu_memory import apply_memory_cap, expandable_segments_from_now
+from megatron_offload.core.units import MIB
+from megatron_offload.megatron.kept_decision import OffloadFitError
+from megatron_offload.megatron.offload_handle import OffloadHandle
 from megatron_offload.megatron.optimizer_internals import (
     _HANDLE_ATTR,
     CHECKED_MEGATRON_CORE_VERSIONS,
@@ -34,9 +32,7 @@ from megatron_offload.megatron.optimizer_internals import (
     distributed_optimizers,
 )
 from megatron_offload.megatron.pacing import PrefetchDuringBackward, RoomForForward
-from megatron_offload.optimizer_state import streamed_step
 from megatron_offload.optimizer_state.offloader import OptimizerStateOffloader
-from megatron_offload.optimizer_state.scheduler import Peaks, StateScheduler
 
 logger = logging.getLogger(__name__)
 
@@ -47,263 +43,6 @@ __all__ = [
     "attach_offloader",
     "distributed_optimizers",
 ]
-
-
-class OffloadFitError(RuntimeError):
-    """A setting keeps more optimizer state on the GPU than the memory limit leaves room for."""
-
-
-class _PrefetchOnFinalize:
-    """Wraps a TransformerConfig's ``finalize_model_grads_func``: starts the copy back, then finalizes,
-    so the copy overlaps the gradient reduction. Keeps whatever function was there."""
-
-    def __init__(self, inner: Callable[..., Any], handle: OffloadHandle) -> None:
-        self.inner = inner
-        self.handle = handle
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        handle = self.handle
-        if handle.scheduler.learned:  # iteration 1 measures the peaks without state: nothing back early
-            # As much as the limit leaves beside what is allocated now and what the step will add; the
-            # rest streams through the step (under a tight cap the whole state does not fit at once).
-            allocated = torch.cuda.memory_allocated() if handle.on_cuda else 0
-            room = handle.scheduler.backward_room(allocated + handle.step_footprint())
-            handle.prefetch(max_bytes=max(0, room) if handle.on_cuda else None)
-            for offloader in handle.offloaders:
-                offloader.copies.flush()  # all of it now: no read of the host waits behind copies back
-        return self.inner(*args, **kwargs)
-
-
-class OffloadHandle:
-    """What ``attach_offloader`` returns: the offloaders, their telemetry, and ``detach()``."""
-
-    def __init__(self, optimizer: Any, config: OffloadConfig) -> None:
-        self.optimizer = optimizer
-        self.config = config
-        self.offloaders: list[OptimizerStateOffloader] = []
-        self.streamed = True  # every DistributedOptimizer runs the streamed step (else: whole state back)
-        self.in_step = False  # True while optimizer.step() runs
-        self.auto_fraction = config.fraction == "auto"
-        self.on_cuda = torch.cuda.is_available()
-        device = torch.cuda.current_device() if self.on_cuda else None
-        self.scheduler = StateScheduler(lambda: memory_limit_bytes(device, config.gpu_memory_cap_bytes))
-        self.say: Callable[[str], None] = logger.info  # the Megatron hooks print on the first rank instead
-        self.hook_waits = 0
-        self.step_backlog_bytes = 0
-        self._chosen: int | None = None  # kept bytes chosen (`auto`) or checked (a fixed fraction) last
-        self._pacer: PrefetchDuringBackward | None = None
-        self._room: RoomForForward | None = None
-        self._wrapped: list[tuple[Any, str, Any]] = []  # (object, attribute, what was there before)
-
-    # ------------------------------------------------------------- what the hooks call (pacing.Handle)
-    def pump(self) -> None:
-        """A point of the training loop: start and retire copies, never wait (engine.pump)."""
-        for offloader in self.offloaders:
-            if not offloader.copies.idle:
-                offloader.copies.pump()
-
-    def prefetch(self, max_bytes: int | None = None, landed_only: bool = False) -> int:
-        """Start bringing state back, up to ``max_bytes`` (default: all); returns the bytes started."""
-        started = 0
-        for offloader in self.offloaders:
-            room = None if max_bytes is None else max_bytes - started
-            if room is not None and room <= 0:
-                break
-            started += offloader.prefetch(room, landed_only=landed_only)
-        return started
-
-    def moves(self) -> bool:
-        """Some state leaves the GPU between steps (not all of it kept)."""
-        return any(not chunk.kept for offloader in self.offloaders for chunk in offloader.chunks)
-
-    def pending_offload_bytes(self) -> int:
-        """GPU bytes still held by offloads under way."""
-        return sum(offloader.leaving_bytes for offloader in self.offloaders)
-
-    def drain_offloads(self, nbytes: int | None = None) -> None:
-        """Block until offloads have freed ``nbytes`` of GPU memory (default: all), oldest first."""
-        for offloader in self.offloaders:
-            freed = offloader.copies.drain(nbytes)
-            if nbytes is not None:
-                nbytes -= freed
-                if nbytes <= 0:
-                    return
-
-    def kept_bytes(self) -> int:
-        """State kept on the GPU across steps."""
-        return sum(offloader.kept_bytes for offloader in self.offloaders)
-
-    def evict(self, nbytes: int) -> int:
-        """Offload kept state now (memory ran short in the forward); ``auto`` re-chooses at the next step."""
-        started = 0
-        for offloader in self.offloaders:
-            if started < nbytes:
-                started += offloader.evict(nbytes - started)
-        self._chosen = None
-        return started
-
-    def step_footprint(self) -> int:
-        return max((streamed_step.footprint(offloader) for offloader in self.offloaders), default=0)
-
-    def count_hook_wait(self) -> None:
-        self.hook_waits += 1
-
-    def _on_step_start(self) -> None:
-        if self._pacer is not None:
-            self._pacer.on_step_start()
-
-    # ------------------------------------------------------------------------------ the user's
-    def wait(self) -> None:
-        for offloader in self.offloaders:
-            offloader.wait()
-
-    def offload(self) -> None:
-        for offloader in self.offloaders:
-            offloader.offload()
-
-    # ------------------------------------------------------------------------------ scheduling
-    def _before_step(self) -> None:
-        """Gradients are ready, forward and backward done: learn their peaks. ``auto`` chooses what stays;
-        a fixed fraction is checked once against what the limit leaves (iteration 1 ran with nothing
-        kept, so no out-of-memory error can come first)."""
-        if not self.on_cuda:
-            return
-        peaks = Peaks(torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
-        grew = self.scheduler.observe_step_start(peaks, on_gpu_at_peak=self.kept_bytes())
-        if self._chosen is not None and not (grew and self.auto_fraction):
-            return
-        state = sum(offloader.plan.full_bytes() for offloader in self.offloaders)
-        budget = self.scheduler.kept_budget(state)
-        if not self.auto_fraction:
-            # The fraction becomes bytes here, once: the plan says how many bytes the state has.
-            kept = self._keep(round((1.0 - self.config.fraction) * state))
-            if kept > budget:
-                self._keep(0)  # nothing stays: the state is whole in host memory
-                least = 1.0 - budget / state
-                raise OffloadFitError(
-                    f"megatron-offload: --offload-fraction {self.config.fraction:g} keeps {kept / GIB:.2f} GiB of "
-                    f"optimizer state on the GPU, but the memory limit ({self.scheduler.limit() / GIB:.2f} GiB) leaves "
-                    f"{budget / GIB:.2f} GiB beside what training needs without it "
-                    f"({self.scheduler.natural.reserved / GIB:.2f} GiB reserved at its peak): use --offload-fraction "
-                    f"auto (keeps what fits), --offload-fraction {min(1.0, least + 0.005):.2f} or more, or "
-                    "--offload-prefetch step. The optimizer state is whole in host memory."
-                )
-        else:
-            kept = self._keep(budget)
-            self.say(self.scheduler.explain(kept, state))
-        self._chosen = kept
-
-    def _keep(self, nbytes: int) -> int:
-        """Keep ``nbytes`` of state on the GPU, split across the offloaders in proportion to their state
-        (whole bytes, none lost in the split); returns the bytes they keep, each within half a chunk of
-        its share. The same as one fraction for all of them, as before, except where a share lands
-        within a byte of a chunk's middle: there the fraction's float and the share's rounding may differ."""
-        sizes = [offloader.plan.full_bytes() for offloader in self.offloaders]
-        state, before, kept = sum(sizes), 0, 0
-        for offloader, size in zip(self.offloaders, sizes, strict=True):
-            share = (nbytes * (before + size) // state - nbytes * before // state) if state else 0
-            before += size
-            kept += offloader.keep_bytes(share)
-        return kept
-
-    def _after_step(self) -> None:
-        """The state has left the step: wait until no more is pending than the next forward has room for."""
-        if not self.on_cuda or not self.scheduler.learned:
-            return
-        budget = self.scheduler.backlog_budget(self.kept_bytes())
-        self.step_backlog_bytes = self.pending_offload_bytes()
-        if self.step_backlog_bytes > budget:
-            # On the host: the next forward needs this memory, and only a landed copy frees it. Only
-            # under a limit too tight for copies to overlap the forward (uncapped, the budget is large).
-            self.drain_offloads(self.step_backlog_bytes - budget)
-        self.scheduler.observe_step_end(Peaks(torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
-
-    def read_stats(self) -> OffloadStats:
-        """Totals over every DistributedOptimizer on this rank (the peaks are the device's)."""
-        total = OffloadStats()
-        for offloader in self.offloaders:
-            stats = offloader.read_stats()
-            for field in fields(OffloadStats):
-                value = getattr(stats, field.name)
-                if field.name == "pinned":
-                    total.pinned = total.pinned and value
-                elif field.name in ("offloads", "prefetches", "peak_allocated_bytes", "peak_reserved_bytes"):
-                    setattr(total, field.name, max(getattr(total, field.name), value))
-                else:
-                    setattr(total, field.name, getattr(total, field.name) + value)
-        total.hook_waits, total.step_backlog_bytes = self.hook_waits, self.step_backlog_bytes
-        return total
-
-    def detach(self) -> None:
-        """Bring all state back to the GPU and undo every wrapper. Safe to call twice."""
-        for obj, name, before in reversed(self._wrapped):
-            if name == "finalize_model_grads_func":
-                if isinstance(obj.finalize_model_grads_func, _PrefetchOnFinalize):
-                    obj.finalize_model_grads_func = obj.finalize_model_grads_func.inner
-            elif before is None:
-                vars(obj).pop(name, None)
-            else:
-                setattr(obj, name, before)
-        self._wrapped.clear()
-        for hooks in (self._pacer, self._room):
-            if hooks is not None:
-                hooks.remove()
-        self._pacer = self._room = None
-        for offloader in self.offloaders:
-            offloader.restore()
-        self.offloaders.clear()
-        if getattr(self.optimizer, _HANDLE_ATTR, None) is self:
-            delattr(self.optimizer, _HANDLE_ATTR)
-
-    # ---------------------------------------------------------------------------------- wiring
-    def _wrap_method(self, obj: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-        before = vars(obj).get(name)
-        setattr(obj, name, make(getattr(obj, name)))
-        self._wrapped.append((obj, name, before))
-
-    def _install_finalize_hooks(self) -> None:
-        """(Re)wrap each model config's finalize function. Training loops often set it after the
-        optimizer is built, so this runs again after every step; it never wraps twice."""
-        if self.config.prefetch is not PrefetchPolicy.FINALIZE:
-            return
-        for dist_opt in distributed_optimizers(self.optimizer):
-            for chunk in dist_opt.model_chunks:
-                model_config = chunk.config
-                current = model_config.finalize_model_grads_func
-                if current is None or isinstance(current, _PrefetchOnFinalize):
-                    continue
-                model_config.finalize_model_grads_func = _PrefetchOnFinalize(current, self)
-                if not any(obj is model_config for obj, _, _ in self._wrapped):
-                    self._wrapped.append((model_config, "finalize_model_grads_func", None))
-
-    def _step_wrapper(self, step: Callable[..., Any]) -> Callable[..., Any]:
-        def step_with_offload(*args: Any, **kwargs: Any) -> Any:
-            if self.in_step:
-                raise RuntimeError("megatron-offload: optimizer.step() called again from inside a step")
-            self.in_step = True
-            try:
-                self._before_step()
-                if not self.streamed:
-                    self.prefetch()  # the whole state, before megatron-core assigns the masters' grads
-                    return step(*args, **kwargs)
-                with contextlib.ExitStack() as stack:
-                    for offloader in self.offloaders:
-                        stack.enter_context(offloader.params_on_device())
-                    return step(*args, **kwargs)
-            finally:
-                # Successful, skipped or failed: the state leaves in one piece, never half-way; its copies
-                # start at the next points of the loop, a few at a time.
-                for offloader in self.offloaders:
-                    offloader.offload(now=False)
-                    offloader.copies.pump()
-                self._after_step()
-                self._install_finalize_hooks()
-                for hooks in (self._pacer, self._room):
-                    if hooks is not None:
-                        hooks.new_iteration()
-                self.in_step = False
-
-        return step_with_offload
 
 
 def attach_offloader(optimizer: Any, config: OffloadConfig | None = None, **overrides: Any) -> OffloadHandle:
@@ -339,8 +78,8 @@ def attach_offloader(optimizer: Any, config: OffloadConfig | None = None, **over
                 keep_state_keys=keep,
                 chunk_bytes=int(config.chunk_mb * MIB),
                 # Everything leaves until iteration 1 has shown what training needs without state: then
-                # `auto` chooses what stays, and a fixed fraction is checked against the limit.
-                fraction=1.0 if handle.auto_fraction or handle.on_cuda else config.fraction,
+                # the scheduler decides what stays (a fixed fraction is checked against the limit).
+                fraction=1.0 if config.fraction == AUTO or handle.on_cuda else config.fraction,
                 pin_memory=config.pin_memory,
                 check_host_memory=config.check_host_memory,
             )

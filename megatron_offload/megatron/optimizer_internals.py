@@ -138,11 +138,16 @@ class _StreamedStep:
         self.stepper = ChunkStepper(dist_opt.optimizer)
         self.copy_all = dist_opt._copy_main_params_to_model_params
         self.copied = False
+        self.stage: streamed_step.Stage | None = None  # set where masters and gradients live in host memory
         self._cuts: dict[tuple[int, ...], dict[str, list]] = {}  # group lists cut to a chunk, made once
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         self.on_start()
-        streamed_step.run(self.offloader, self.stepper, self.copy_chunk_to_model)
+        try:
+            streamed_step.run(self.offloader, self.stepper, self.copy_chunk_to_model, self.stage)
+        finally:
+            if self.stage is not None:
+                self.stage.end_step()
         self.copied = True
 
     def copy_chunk_to_model(self, params: Sequence[torch.Tensor]) -> None:
@@ -182,6 +187,13 @@ class _StreamedStep:
         return self.copy_all(*args, **kwargs)
 
 
+def streamed_step_of(dist_opt: Any) -> _StreamedStep | None:
+    """The streamed step attach_offloader put in place of ``dist_opt``'s inner Adam step, if any."""
+    step = vars(dist_opt.optimizer).get("step")
+    owner = getattr(step, "__self__", None)
+    return owner if isinstance(owner, _StreamedStep) else None
+
+
 def _in_last_microbatch(model_chunks: Sequence[Any]) -> bool:
     for chunk in model_chunks:
         groups = getattr(chunk, "bucket_groups", []) + getattr(chunk, "expert_parallel_bucket_groups", [])
@@ -217,7 +229,8 @@ def _after_wait(method: Callable[..., Any], offloader: OptimizerStateOffloader, 
         try:
             return method(*args, **kwargs)
         finally:
-            offloader.plan_dirty = offloader.plan_dirty or replaces
+            if replaces:
+                offloader.state.replaced()
 
     return wait_then_call
 

@@ -1,52 +1,79 @@
 """One line for a run that ran out of GPU memory: what it asked for, what it held, the cap, and what moves
 more off the GPU, from the flags it ran with (Megatron's parsed arguments), instead of a bare CUDA
-out-of-memory traceback."""
+out-of-memory traceback. Where the whole optimizer state was in host memory already (the smallest
+footprint did not fit), the line says what training needs without it, as measured, against the limit."""
 
 from __future__ import annotations
 
 import argparse
 import re
 
-from megatron_offload.config.long_context_flags import uses_sdpa_spec
+from megatron_offload.config.long_context_flags import SDPA_SPEC, uses_sdpa_spec
+from megatron_offload.config.refusals import on, over_one
 
-__all__ = ["out_of_memory_line", "what_to_add"]
+__all__ = ["asked_bytes", "line_for", "out_of_memory_line", "what_to_add"]
 
 LONG = 8192  # tokens per micro-batch from which attention scores, layer inputs and logits dominate
 
-_ASKED = re.compile(r"Tried to allocate ([\d.]+ [KMGT]?i?B)")
+_ASKED = re.compile(r"Tried to allocate ([\d.]+) ([KMGT]?)i?B")
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def asked_bytes(error: BaseException) -> int:
+    """The bytes the failed allocation asked for, as CUDA's message gives them (0 where it does not)."""
+    asked = _ASKED.search(str(error))
+    return int(float(asked.group(1)) * _UNITS[asked.group(2)]) if asked else 0
 
 
 def what_to_add(args: argparse.Namespace) -> list[str]:
     """The flags that would take more off the GPU, the largest saving first, for a run with ``args``."""
-    on = lambda name: bool(getattr(args, name, False))  # noqa: E731
     long = (getattr(args, "seq_length", 0) or 0) * (getattr(args, "micro_batch_size", 1) or 1) >= LONG
     full = getattr(args, "recompute_granularity", None) == "full"
     advice = []
     if long and not uses_sdpa_spec(args) and getattr(args, "transformer_impl", "local") == "local":
-        advice.append("--spec megatron_offload.megatron.sdpa_spec gpt_layer_spec (attention without [s, s] scores)")
-    if not on("offload_optimizer_states"):
+        advice.append(f"--spec {' '.join(SDPA_SPEC)} (attention without [s, s] scores)")
+    if not on(args, "offload_optimizer_states"):
         advice.append("--offload-optimizer-states")
-    elif not on("offload_weights"):
+    elif not on(args, "offload_weights"):
         advice.append("--offload-weights (with full recompute one layer at a time)")
     if not full:
         advice.append("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
-    elif long and not on("offload_layer_inputs"):
+    elif long and not on(args, "offload_layer_inputs"):
         advice.append("--offload-layer-inputs")
-    if long and not on("chunked_loss") and (getattr(args, "tensor_model_parallel_size", 1) or 1) == 1:
+    if long and not on(args, "chunked_loss") and not over_one(args, "tensor_model_parallel_size"):
         advice.append("--chunked-loss")
-    if not advice and (getattr(args, "micro_batch_size", 1) or 1) > 1:
+    if not advice and over_one(args, "micro_batch_size"):
         advice.append("a smaller --micro-batch-size (more micro-batches per step)")
     return advice
 
 
-def out_of_memory_line(error: BaseException, args: argparse.Namespace | None, peak_reserved: int, gib: int) -> str:
-    """The line to print for ``error`` (a ``torch.OutOfMemoryError``); ``peak_reserved`` in bytes."""
+def out_of_memory_line(
+    error: BaseException, args: argparse.Namespace | None, peak_reserved: int, gib: int, state_note: str | None = None
+) -> str:
+    """The line to print for ``error`` (a ``torch.OutOfMemoryError``); ``peak_reserved`` in bytes;
+    ``state_note``: the scheduler's numbers where the whole optimizer state was in host memory already."""
     asked = _ASKED.search(str(error))
     cap = getattr(args, "offload_gpu_memory_cap_gib", None) if args is not None else None
     held = f"{peak_reserved / gib:.2f} GiB reserved at the peak"
     where = f"under --offload-gpu-memory-cap-gib {cap:g}" if cap else "on this GPU"
-    line = f"megatron-offload: out of GPU memory {where}: asked for {asked.group(1) if asked else 'more'} with {held}"
+    asked_text = f"{asked.group(1)} {asked.group(2)}iB" if asked else "more"
+    line = f"megatron-offload: out of GPU memory {where}: " + (state_note or f"asked for {asked_text} with {held}")
     advice = what_to_add(args) if args is not None else []
     if advice:
         return f"{line}. To move more off the GPU, add: {'; '.join(advice)}"
     return f"{line}. Every offload this run can use is on: raise the cap or use a larger GPU"
+
+
+def line_for(error: BaseException) -> str:
+    """The line for ``error`` in Megatron-LM's loop: the flags it ran with, the peak, and, where every
+    attached offloader had the whole state in host memory, what training needs without it."""
+    import torch
+
+    from megatron_offload.core.gpu_memory import gpu_only
+    from megatron_offload.core.units import GIB
+    from megatron_offload.megatron.training_hooks import attached_handles, parsed_megatron_args
+
+    peak = gpu_only(torch.cuda.max_memory_reserved())
+    notes = [handle.smallest_footprint_note(peak, asked_bytes(error)) for handle in attached_handles()]
+    note = notes[0] if notes and all(notes) else None
+    return out_of_memory_line(error, parsed_megatron_args(), peak, GIB, note)

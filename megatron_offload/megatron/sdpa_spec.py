@@ -28,9 +28,11 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_offload.config.long_context_flags import SDPA_SPEC
+
 __all__ = ["SDPAttention", "gpt_layer_spec", "sdpa_layer_spec"]
 
-SPEC_FLAG = "--spec megatron_offload.megatron.sdpa_spec gpt_layer_spec"
+SPEC_FLAG = "--spec " + " ".join(SDPA_SPEC)
 
 
 def _backend_name(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any) -> str:

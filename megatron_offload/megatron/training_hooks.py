@@ -56,7 +56,8 @@ from megatron_offload.config.flags import (
     upstream_defines_the_flag,
     validate_offload_args,
 )
-from megatron_offload.config.long_context_flags import layer_input_bytes_per_rank
+from megatron_offload.config.long_context_flags import layer_input_bytes_per_rank, long_context_config_from_args
+from megatron_offload.config.weight_flags import weight_config_from_args
 from megatron_offload.core.gpu_memory import apply_memory_cap, gpu_only, use_expandable_segments_by_default
 from megatron_offload.core.host_memory import HostMemoryError, check_host_room
 from megatron_offload.megatron.adam_resume import fix_torch_adam_checkpoints
@@ -239,7 +240,9 @@ def install_training_hooks() -> None:
         _refuse_bad_flags(check_offload_combinations, args)  # before Megatron's assertions and dump
         result = validate_args(args, *rest, **kwargs)
         _refuse_bad_flags(validate_offload_args, args)
-        if getattr(args, "chunked_loss", False) and not supports_output_processor():  # before the model is built
+        run.weights.config = weight_config_from_args(args)  # read once; the hooks below go by it
+        run.long_context_config = long_context_config_from_args(args)
+        if run.long_context_config.chunked_loss and not supports_output_processor():  # before the model is built
             _stop(f"megatron-offload: {CHUNKED_LOSS_NEEDS}")
         which = which_offloader(args)
         if which:
@@ -269,7 +272,8 @@ def install_training_hooks() -> None:
 
     def get_megatron_optimizer_and_attach(*args: Any, **kwargs: Any) -> Any:
         optimizer = get_megatron_optimizer(*args, **kwargs)
-        long_context = attach_long_context(args[1] if len(args) > 1 else kwargs["model_chunks"], global_vars.get_args())
+        model_chunks = args[1] if len(args) > 1 else kwargs["model_chunks"]
+        long_context = attach_long_context(model_chunks, run.long_context_config)
         if long_context is not None:
             run.long_context.append(long_context)
             _print_once(describe_long_context(long_context))
@@ -284,6 +288,9 @@ def install_training_hooks() -> None:
                 _stop(f"megatron-offload: {error}")
             handle.say = _print_once  # what `--offload-fraction auto` chose, on the first rank
             run.offloads.append(handle)
+            if run.weights.config.streamed_step:  # after the offloader: its step is streamed
+                chunks = args[1] if len(args) > 1 else kwargs["model_chunks"]
+                run.weights.stream_step(optimizer, chunks if isinstance(chunks, list) else [chunks], handle)
         return optimizer
 
     print_rank_last = training.print_rank_last

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_offload.config.long_context_flags import LongContextConfig
 from megatron_offload.megatron.long_context_adapter import LongContextHandle
 from megatron_offload.megatron.optimizer_adapter import OffloadHandle
 from megatron_offload.megatron.weights_training import StreamedWeights
@@ -28,6 +29,8 @@ class TrainingRun:
 
     offloads: list[OffloadHandle] = field(default_factory=list)
     """One per optimizer Megatron built, with ``--offload-optimizer-states``."""
+    long_context_config: LongContextConfig = field(default_factory=LongContextConfig)
+    """What ``--offload-layer-inputs`` and ``--chunked-loss`` ask for, read once after validation."""
     long_context: list[LongContextHandle] = field(default_factory=list)
     """One per model Megatron built, with ``--offload-layer-inputs`` or ``--chunked-loss``."""
     weights: StreamedWeights = field(default_factory=StreamedWeights)

@@ -19,13 +19,13 @@ What it relies on:
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from megatron_offload.core.patches import InstancePatches
 from megatron_offload.core.streams import streams_for
 from megatron_offload.weights.plan import Placed, Run, Unit, runs_of
 from megatron_offload.weights.stats import WeightStats
@@ -91,8 +91,8 @@ class WeightHandle:
     """What attach_weight_streamer did, so that it can be read and undone."""
 
     streamer: WeightStreamer
-    hooks: list[Any] = field(default_factory=list)
-    wrapped: list[tuple[Any, str]] = field(default_factory=list)
+    model: list[Any] = field(default_factory=list)  # the model chunks streamed
+    patches: InstancePatches = field(default_factory=InstancePatches)
 
     def read_stats(self) -> WeightStats:
         return self.streamer.stats.snapshot()
@@ -100,23 +100,7 @@ class WeightHandle:
     def detach(self) -> None:
         """Settle, remove every hook and wrapper: params point at megatron-core's buffers as before."""
         self.streamer.settle()
-        for hook in self.hooks:
-            hook.remove()
-        for obj, name in self.wrapped:
-            obj.__dict__.pop(name, None)
-        self.hooks, self.wrapped = [], []
-
-
-def _wrap(handle: WeightHandle, obj: Any, name: str, before: Callable[[], None]) -> None:
-    original = getattr(obj, name)
-
-    @functools.wraps(original)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        before()
-        return original(*args, **kwargs)
-
-    setattr(obj, name, wrapper)  # on the instance: the class and other instances are untouched
-    handle.wrapped.append((obj, name))
+        self.patches.undo()
 
 
 def attach_weight_streamer(model_chunks: list[Any], weight_slots: int = 3, grad_slots: int = 3) -> WeightHandle:
@@ -141,7 +125,7 @@ def attach_weight_streamer(model_chunks: list[Any], weight_slots: int = 3, grad_
     resident = _unit("embedding and output", -1, rest, where, resident=True) if rest else None
     device = next(iter(where)).device
     streamer = WeightStreamer(units, resident, streams_for(device), weight_slots=weight_slots, grad_slots=grad_slots)
-    handle = WeightHandle(streamer)
+    handle = WeightHandle(streamer, list(model_chunks))
 
     for index, layer in enumerate(layers):
 
@@ -154,14 +138,14 @@ def attach_weight_streamer(model_chunks: list[Any], weight_slots: int = 3, grad_
         def after(module: Any, args: tuple, output: Any, index: int = index) -> None:
             streamer.after_forward(index, torch.is_grad_enabled())
 
-        handle.hooks.append(layer.register_forward_pre_hook(before, with_kwargs=True))
-        handle.hooks.append(layer.register_forward_hook(after))
+        handle.patches.hook(layer.register_forward_pre_hook(before, with_kwargs=True))
+        handle.patches.hook(layer.register_forward_hook(after))
     owners = [m for m in chunk.modules() if any(id(p) in rest_ids for p in m.parameters(recurse=False))]
     owners += [m for m in chunk.modules() if isinstance(m, _embedding_type())]
     for module in owners:
-        handle.hooks.append(module.register_forward_pre_hook(lambda *_: streamer.lend_resident()))
-    _wrap(handle, chunk, "zero_grad_buffer", streamer.settle)  # a new step: nothing lent from before
-    _wrap(handle, chunk, "finish_grad_sync", streamer.settle)  # backward done: gradients whole on the host
+        handle.patches.hook(module.register_forward_pre_hook(lambda *_: streamer.lend_resident()))
+    handle.patches.call_before(chunk, "zero_grad_buffer", streamer.new_step)  # a new step: nothing lent from before
+    handle.patches.call_before(chunk, "finish_grad_sync", streamer.settle)  # backward done: gradients whole on host
     return handle
 
 

@@ -27,10 +27,12 @@ from typing import Any
 
 import torch
 
+from megatron_offload.config.weight_flags import WeightConfig
 from megatron_offload.core.gpu_memory import gpu_only, uncapped
 from megatron_offload.core.mapped_memory import MappedPool, mapped_bytes
 from megatron_offload.core.units import GIB
 from megatron_offload.megatron.weights_adapter import WeightHandle, attach_weight_streamer, move_buffers_to_gpu
+from megatron_offload.megatron.weights_step import StreamedStepHandle, attach_streamed_step
 from megatron_offload.weights.stats import WeightStats
 
 __all__ = ["BYTES_PER_PARAM", "StreamedWeights", "install_weight_hooks"]
@@ -60,6 +62,10 @@ class StreamedWeights:
     """One per model Megatron built and streamed."""
     previous: dict[int, WeightStats] = field(default_factory=dict)
     """Each handle's figures (by ``id``) when the log line last read them."""
+    steps: list[StreamedStepHandle] = field(default_factory=list)
+    """The streamed optimizer steps attached (one per optimizer over a streamed model)."""
+    config: WeightConfig = field(default_factory=WeightConfig)
+    """The flags' settings, read once after validation."""
 
     def begin_building(self, cap_bytes: int | None) -> None:
         """From here on allocations are host memory; the cap (``cap_bytes``, None: none) is lifted."""
@@ -88,6 +94,17 @@ class StreamedWeights:
             f"{mapped_bytes() / GIB:.2f} GiB of weights, gradients and master weights in host memory ({moved} bytes "
             "of module buffers moved to the GPU)"
         )
+
+    def stream_step(self, optimizer: Any, model: list[Any], offload: Any = None) -> None:
+        """Once the state offloader is attached to ``optimizer`` (``offload``, its handle): its step over the
+        streamed ``model`` becomes one streamed pass (``config.step`` "streamed"; "megatron" keeps
+        megatron-core's passes, for comparison), the handle's step footprint counting its buffers."""
+        chunks = [id(chunk) for chunk in model]
+        handle = next((h for h in self.handles if [id(chunk) for chunk in h.model] == chunks), None)
+        if handle is None or self.config.step != "streamed":
+            return
+        self.steps.append(attach_streamed_step(optimizer, handle, model, offload=offload))
+        _say("megatron-offload: the optimizer step streams masters, moments and gradients in one pass")
 
     def log_fields(self, steps: int = 1) -> str:
         """Megatron log-line fields: bytes each way and exposed copy time per iteration since the last line."""

@@ -16,7 +16,8 @@ from megatron_offload.core.stats import OffloadStats, Timings
 from megatron_offload.core.streams import OFFLOAD, PREFETCH, Event, Streams
 from megatron_offload.core.units import MIB
 from megatron_offload.optimizer_state import plan as planning
-from megatron_offload.optimizer_state.plan import Chunk, Plan
+from megatron_offload.optimizer_state.plan import Chunk
+from megatron_offload.optimizer_state.planned_state import PlannedState
 
 __all__ = ["ChunkCopies", "ChunkCopy", "OffloadCopyError"]
 
@@ -35,16 +36,23 @@ class ChunkCopy(Copy):
 
 
 class ChunkCopies:
-    """The offloader's copies: queue a chunk out or back, and keep its tensors pointing at whole data."""
+    """The offloader's copies: queue a chunk out or back, and keep its tensors pointing at whole data.
+    The one owner of the bytes leaving and of the step index the copy times are filed under."""
 
-    plan: Plan
-    slab: torch.Tensor  # the host slab every chunk's host copy is a view of
-    stats: OffloadStats
-    timings: Timings
-    streams: Streams
-    copies: CopyQueue
-    step_index: int
-    leaving_bytes: int
+    def __init__(
+        self, state: PlannedState, stats: OffloadStats, timings: Timings, streams: Streams, copies: CopyQueue
+    ) -> None:
+        self.state = state  # the plan and the host slab every chunk's host copy is a view of
+        self.stats = stats  # the offloader's; this object adds the bytes it queues each way
+        self.timings = timings
+        self.streams = streams
+        self.copies = copies
+        self.step_index = 0
+        self.leaving_bytes = 0  # GPU bytes of chunks queued or in flight out (freed when they land)
+
+    def next_step(self) -> None:
+        """File the copy times from here on under the next step."""
+        self.step_index += 1
 
     def new_block(self, nbytes: int) -> torch.Tensor:
         """Device memory for state, from the compute stream's pool."""
@@ -61,7 +69,7 @@ class ChunkCopies:
         copy = ChunkCopy(
             direction=direction,
             pairs=pairs,
-            label=chunk.label(len(self.plan.chunks)),
+            label=chunk.label(len(self.state.chunks)),
             on_start=self._started,
             on_landed=self._landed,
             on_failed=self._failed,
@@ -76,15 +84,15 @@ class ChunkCopies:
         tensors at the host copy when the copy starts. ``now``: start it at once (its stream waits on the
         device for that write, already queued). An unchanged chunk is dropped, not copied."""
         if chunk.copy is not None and chunk.copy.direction == PREFETCH and chunk.copy.done is None:
-            self._cancel(chunk.copy)  # a copy back that never started: the chunk is still on the host
-        if not chunk.on_gpu or self._leaving(chunk):
+            self.cancel(chunk.copy)  # a copy back that never started: the chunk is still on the host
+        if not chunk.on_gpu or self.leaving(chunk):
             return None
         if not chunk.touched:
             # Its host copy is exact: nothing to copy. A copy still filling the block holds it till it lands.
             chunk.copy = None
             self._point_at_host(chunk)
             return None
-        pairs, keep, slab = [], [], self.slab
+        pairs, keep, slab = [], [], self.state.slab
         in_block = [chunk.block is not None and entry.in_block for entry in chunk.entries]
         for host, offset, size in planning.runs([e for e, b in zip(chunk.entries, in_block, strict=True) if b]):
             pairs.append((slab[host : host + size], chunk.block[offset : offset + size]))
@@ -106,7 +114,7 @@ class ChunkCopies:
         if block is None:
             block = self.new_block(chunk.nbytes)
             after = after or self.streams.mark()
-        slab = self.slab
+        slab = self.state.slab
         pairs = [
             (block[offset : offset + size], slab[host : host + size])
             for host, offset, size in planning.runs(chunk.entries)
@@ -115,7 +123,7 @@ class ChunkCopies:
         self.stats.bytes_prefetched += chunk.nbytes
         return self.copies.put(copy)
 
-    def _cancel(self, copy: ChunkCopy) -> None:
+    def cancel(self, copy: ChunkCopy) -> None:
         """Forget a copy that has not started: a chunk going out stays on the GPU, one coming back stays
         on the host (its new block, unwritten, goes back to the allocator)."""
         self.copies.cancel(copy)
@@ -124,7 +132,7 @@ class ChunkCopies:
         copy.chunk.copy = None
 
     @staticmethod
-    def _leaving(chunk: Chunk) -> bool:
+    def leaving(chunk: Chunk) -> bool:
         return chunk.copy is not None and chunk.copy.direction == OFFLOAD
 
     def _started(self, copy: ChunkCopy) -> None:
@@ -179,7 +187,7 @@ class ChunkCopies:
             entry.in_block = in_block
         chunk.on_gpu, chunk.block = True, copy.block
 
-    def _revive(self, chunk: Chunk) -> None:
+    def revive(self, chunk: Chunk) -> None:
         """A chunk whose copy out is in flight comes back without a copy: the memory it is read from still
         holds it. The compute stream must let that copy finish reading before it writes there."""
         copy = chunk.copy
@@ -196,9 +204,9 @@ class ChunkCopies:
             self.copies.start(copy)
         elif copy is not None and copy.direction == OFFLOAD:
             if copy.done is None:
-                self._cancel(copy)  # never started: the chunk is still here
+                self.cancel(copy)  # never started: the chunk is still here
             else:
-                self._revive(chunk)
+                self.revive(chunk)
         if chunk.ready is not None:
             if chunk.ready.query():
                 chunk.ready = None  # landed already: no wait on the device at all

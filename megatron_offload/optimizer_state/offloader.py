@@ -1,9 +1,9 @@
 """Move an optimizer's per-parameter state to host memory between steps, and back for the next one.
 
-Knows nothing of Megatron: any ``torch.optim.Optimizer`` plus optional fp32 master weights. The plan
-(plan.py, kept with its host slab by planned_state.py) cuts the state into chunks of whole parameters;
-they move through the copy core (``self.copies``, core/copies.py), and chunk_copies.py says what a
-chunk's copy means for its tensors.
+Knows nothing of Megatron: any ``torch.optim.Optimizer`` plus optional fp32 master weights. The offloader
+composes two parts and owns the copy queue and the figures they share: ``state`` (planned_state.py: the plan
+of plan.py, which cuts the state into chunks of whole parameters, with its host slab and the kept bytes) and
+``mover`` (chunk_copies.py: what a chunk's copy through the copy core, core/copies.py, means for its tensors).
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from megatron_offload.core.copies import CopyQueue
-from megatron_offload.core.host_memory import HostSlab, check_host_room
+from megatron_offload.core.host_memory import check_host_room
 from megatron_offload.core.stats import OffloadStats, Timings
-from megatron_offload.core.streams import PREFETCH, Streams, streams_for
+from megatron_offload.core.streams import PREFETCH, Event, Streams, streams_for
 from megatron_offload.core.units import MIB
 from megatron_offload.optimizer_state import plan as planning
-from megatron_offload.optimizer_state.chunk_copies import ChunkCopies, OffloadCopyError
-from megatron_offload.optimizer_state.plan import Plan
+from megatron_offload.optimizer_state.chunk_copies import ChunkCopies, ChunkCopy, OffloadCopyError
+from megatron_offload.optimizer_state.plan import Chunk, Plan
 from megatron_offload.optimizer_state.planned_state import PlannedState
 
 __all__ = ["OffloadCopyError", "OptimizerStateOffloader"]
@@ -28,7 +28,7 @@ __all__ = ["OffloadCopyError", "OptimizerStateOffloader"]
 DEFAULT_CHUNK_BYTES = 64 * MIB
 
 
-class OptimizerStateOffloader(PlannedState, ChunkCopies):
+class OptimizerStateOffloader:
     """Keeps an optimizer's tensor state (and given master weights) in host memory between steps.
 
     Lifecycle per iteration: ``offload(now=False)`` queues the state out after the step;
@@ -37,7 +37,7 @@ class OptimizerStateOffloader(PlannedState, ChunkCopies):
 
     NOTE: tensor objects are never replaced, only what they hold; a host copy is whole once its copy
     has landed (``copies.drain()`` before reading it on the CPU).
-    NOTE: a tensor the plan does not hold, or ``plan_dirty`` (after a checkpoint load), makes a new plan;
+    NOTE: a tensor the plan does not hold, or ``state.replaced()`` (after a checkpoint load), makes a new plan;
     Adam's moments, made at its first step, join their param's chunk (the slab was sized for them).
     NOTE: kept chunks are planned into the slab too, so they can leave at once should memory run short.
     NOTE: a chunk that came back but was never handed to the compute stream is not copied again.
@@ -66,69 +66,133 @@ class OptimizerStateOffloader(PlannedState, ChunkCopies):
             raise ValueError(f"OptimizerStateOffloader: chunk_bytes must be positive, got {chunk_bytes}")
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"OptimizerStateOffloader: fraction must be from 0 to 1, got {fraction}")
-        self.optimizer = optimizer
-        self.master_weights = list(master_weights)
-        self.keep_state_keys = frozenset(keep_state_keys)
-        self.chunk_bytes = chunk_bytes
-        self.fraction = fraction
-        self.kept_goal = None  # set by keep_bytes (the scheduler's bytes), then used over fraction
-        self.pin_memory = pin_memory
-        self.check_host_memory = check_host_memory
         self.stats = OffloadStats()
         self.timings = Timings()
-        self.plan = Plan()
-        self.plan_dirty = True
-        self.kept_bytes = 0  # state kept on the GPU, counting the moments to come (see _count_plan)
-        self.leaving_bytes = 0  # GPU bytes of chunks queued or in flight out (freed when they land)
-        self.step_index = 0
         params = planning.all_params(optimizer)
         self.device: torch.device | None = params[0].device if params else None
         self.streams = streams or streams_for(self.device)
         self.copies = CopyQueue(self.streams)
-        self._slab: HostSlab | None = None
-        self._warned_shared: set[int] = set()
+        self.state = PlannedState(
+            optimizer, master_weights, keep_state_keys, chunk_bytes, fraction, pin_memory, check_host_memory,
+            self.stats, self.copies,
+        )  # fmt: skip
+        self.mover = ChunkCopies(self.state, self.stats, self.timings, self.streams, self.copies)
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
         if check_host_memory:
-            check_host_room(self.estimated_host_bytes())
+            check_host_room(self.state.estimated_host_bytes())
+
+    # ------------------------------------------------------- what the plan and the copies say, as read
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.state.optimizer
+
+    @property
+    def keep_state_keys(self) -> frozenset[str]:
+        return self.state.keep_state_keys
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.state.chunk_bytes
+
+    @property
+    def plan(self) -> Plan:
+        return self.state.plan
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        return self.state.chunks
+
+    @property
+    def slab(self) -> torch.Tensor:
+        return self.state.slab
+
+    @property
+    def is_offloaded(self) -> bool:
+        return self.state.is_offloaded
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return self.state.offloaded_bytes
+
+    @property
+    def kept_bytes(self) -> int:
+        return self.state.kept_bytes
+
+    @property
+    def leaving_bytes(self) -> int:
+        return self.mover.leaving_bytes
+
+    # ------------------------------------------------- the plan's and the copies' own operations
+    def plan_is_current(self) -> bool:
+        return self.state.plan_is_current()
+
+    def count_plan(self) -> None:
+        self.state.count_plan()
+
+    def full_sizes(self) -> list[int]:
+        return self.state.full_sizes()
+
+    def set_fraction(self, fraction: float) -> None:
+        self.state.set_fraction(fraction)
+
+    def keep_bytes(self, nbytes: int) -> int:
+        return self.state.keep_bytes(nbytes)
+
+    def estimated_host_bytes(self) -> int:
+        return self.state.estimated_host_bytes()
+
+    def prepare(self) -> None:
+        self.state.prepare(self.wait)
+
+    def new_block(self, nbytes: int) -> torch.Tensor:
+        return self.mover.new_block(nbytes)
+
+    def queue_offload(self, chunk: Chunk, now: bool = False) -> ChunkCopy | None:
+        return self.mover.queue_offload(chunk, now)
+
+    def queue_prefetch(self, chunk: Chunk, block: torch.Tensor | None = None, after: Event | None = None) -> ChunkCopy:
+        return self.mover.queue_prefetch(chunk, block, after)
+
+    def hand_to_compute(self, chunk: Chunk) -> None:
+        self.mover.hand_to_compute(chunk)
 
     # ----------------------------------------------------------------------- whole-state moves
     def evict(self, nbytes: int) -> int:
-        """Offload kept chunks on the GPU, from the front, until ``nbytes`` are under way (memory ran
-        short); they stay offloaded. Returns the bytes queued."""
-        started = 0
-        for chunk in self.chunks:
-            if started >= nbytes:
-                break
-            if chunk.kept and chunk.on_gpu:
-                chunk.kept = False
-                self.queue_offload(chunk)
-                started += chunk.nbytes
-        self.count_plan()
+        """Keep ``nbytes`` less on the GPU (memory ran short): kept chunks from the front of the kept run
+        leave now (those on the GPU are queued out) until that many are no longer kept. What stays kept is
+        the goal from now on, in later plans too, so nothing brings them back. Returns the bytes let go."""
+        gone = self.state.let_go(nbytes)
+        for chunk in gone:
+            if chunk.on_gpu:
+                self.mover.queue_offload(chunk)
         self.copies.flush()
-        return started
+        return sum(chunk.nbytes for chunk in gone)
 
     @torch.no_grad()
-    def offload(self, now: bool = True) -> None:
+    def offload(self, now: bool = True, kept_too: bool = False) -> None:
         """Queue every chunk on the GPU that is not kept to leave; ``now``: start every copy at once
-        (``False``: the training loop's points start them, a few at a time). A new set of state tensors
-        (a load replaced them) gets a new plan first."""
-        if not self.plan_is_current():
-            self._refresh_plan()
-        queued = self.queue_out()
+        (``False``: the training loop's points start them, a few at a time); ``kept_too``: kept chunks
+        leave as well and stay kept (a sleep: the next step brings them back). A new set of state
+        tensors (a load replaced them) gets a new plan first."""
+        if not self.state.plan_is_current():
+            self.state.refresh(self.wait)
+        queued = self.queue_out(kept_too)
         if now:
             self.copies.flush()
         if queued:
             self.count_step()
 
-    def queue_out(self) -> bool:
-        """Queue every chunk on the GPU that is not kept and not leaving yet, on the plan as it stands
-        (copies back that never started are dropped: those chunks stay on the host). True if any was."""
+    def queue_out(self, kept_too: bool = False) -> bool:
+        """Queue every chunk on the GPU that is not kept (``kept_too``: every chunk) and not leaving yet,
+        on the plan as it stands (copies back that never started are dropped: those chunks stay on the
+        host). True if any was."""
         for copy in self.copies.queued(PREFETCH):
-            if not copy.chunk.kept:
-                self._cancel(copy)
-        leaving = [chunk for chunk in self.chunks if chunk.on_gpu and not chunk.kept and not self._leaving(chunk)]
+            if kept_too or not copy.chunk.kept:
+                self.mover.cancel(copy)
+        going = [chunk for chunk in self.chunks if kept_too or not chunk.kept]
+        leaving = [chunk for chunk in going if chunk.on_gpu and not self.mover.leaving(chunk)]
         for chunk in leaving:
-            self.queue_offload(chunk)
+            self.mover.queue_offload(chunk)
         return bool(leaving)
 
     def count_step(self) -> None:
@@ -136,7 +200,7 @@ class OptimizerStateOffloader(PlannedState, ChunkCopies):
             return  # nothing moves (no state yet, masters kept, or all of it kept)
         self.stats.offloads += 1
         self.stats.gpu_bytes_freed = sum(chunk.nbytes for chunk in self.chunks if not chunk.kept)  # out, or leaving
-        self.step_index += 1
+        self.mover.next_step()
         self.timings.harvest(self.stats)
 
     @torch.no_grad()
@@ -151,17 +215,17 @@ class OptimizerStateOffloader(PlannedState, ChunkCopies):
             if copy is not None and copy.direction == PREFETCH:
                 continue  # on its way back already
             if copy is not None and copy.done is None:
-                self._cancel(copy)  # its copy out has not started: the chunk never left
+                self.mover.cancel(copy)  # its copy out has not started: the chunk never left
                 continue
             if chunk.on_gpu or (landed_only and copy is not None):
                 continue
             if copy is not None:
-                self._revive(chunk)  # costs no memory and no copy
+                self.mover.revive(chunk)  # costs no memory and no copy
                 continue
             if max_bytes is not None and started + chunk.nbytes > max_bytes:
                 break
             mark = mark or self.streams.mark()  # one mark for every block allocated here
-            self.queue_prefetch(chunk, self.new_block(chunk.nbytes), after=mark)
+            self.mover.queue_prefetch(chunk, self.mover.new_block(chunk.nbytes), after=mark)
             started += chunk.nbytes
         if started:
             self.stats.prefetches += 1
@@ -173,7 +237,7 @@ class OptimizerStateOffloader(PlannedState, ChunkCopies):
         """Make the whole state usable by the compute stream."""
         self.prefetch()
         for chunk in self.chunks:
-            self.hand_to_compute(chunk)
+            self.mover.hand_to_compute(chunk)
 
     def check_gradients(self) -> None:
         """Refuse a gradient on another device than the GPU the step runs on, before anything moves:
@@ -221,7 +285,7 @@ class OptimizerStateOffloader(PlannedState, ChunkCopies):
                 for entry in chunk.entries:
                     entry.tensor.data = entry.tensor.data.clone()
                 chunk.block = None
-        self._release_slab()
+        self.state.release_slab()
 
     def read_stats(self) -> OffloadStats:
         """The totals so far, including every copy that has completed by now (no sync)."""

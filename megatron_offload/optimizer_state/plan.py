@@ -19,7 +19,17 @@ from megatron_offload.core.units import MIB
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ALIGN", "Chunk", "Entry", "Plan", "aligned", "offloadable_tensors", "owns_its_storage", "runs", "view"]
+__all__ = [
+    "ALIGN",
+    "Chunk",
+    "Entry",
+    "Plan",
+    "aligned",
+    "offloadable_tensors",
+    "owns_its_storage",
+    "runs",
+    "view",
+]
 
 ALIGN = 256  # byte alignment of every tensor inside a chunk (and of chunks in the host slab)
 
@@ -211,29 +221,6 @@ def lay_out(cuts: list[Cut], slab: torch.Tensor, key: tuple, kept_from: int) -> 
         slab_used=start,
         loose_masters=any(param is None for piece in cuts for param, _, _ in piece),
     )
-
-
-def kept_from(sizes: list[int], fraction: float) -> int:
-    """Index of the first chunk kept on the GPU, given each chunk's full size: offload whole chunks from
-    the front, as near the fraction as chunks allow."""
-    total, offloaded = sum(sizes), 0
-    for index, size in enumerate(sizes):
-        if offloaded + size / 2 > fraction * total:
-            return index
-        offloaded += size
-    return len(sizes)
-
-
-def kept_from_bytes(sizes: list[int], kept_bytes: int) -> int:
-    """Index of the first chunk kept on the GPU, given each chunk's full size: keep whole chunks at the
-    back, as near ``kept_bytes`` as chunks allow. ``kept_from``'s rule in bytes: a chunk stays when its
-    middle lies within the last ``kept_bytes`` of the state, so up to half a chunk more may stay."""
-    total, offloaded = sum(sizes), 0
-    for index, size in enumerate(sizes):
-        if 2 * (offloaded + kept_bytes) + size > 2 * total:  # offloaded + size / 2 > total - kept_bytes
-            return index
-        offloaded += size
-    return len(sizes)
 
 
 def adopt_new_state(plan: Plan, chunk: Chunk, optimizer: torch.optim.Optimizer, keys: frozenset, slab) -> int:

@@ -1,12 +1,13 @@
 """The offloader's plan of the state and its host slab, re-made only for a new set of state tensors
 (a checkpoint load), the slab only when too small: pinning is slow (0.5 s per GiB) and a new layout
-needs every chunk back. Knows the copies only as ``wait()`` and ``copies.drain()``.
+needs every chunk back. Knows the copies only as ``copies.drain()`` and the ``bring_back`` callable that
+the offloader passes to a re-plan.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -19,28 +20,50 @@ from megatron_offload.optimizer_state.plan import Chunk, Plan
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PlannedState"]
+__all__ = ["PlannedState", "kept_from_bytes"]
+
+
+def kept_from_bytes(sizes: list[int], kept_bytes: int) -> int:
+    """Index of the first chunk kept on the GPU, given each chunk's full size: the longest run of whole
+    chunks at the back whose sizes add up to no more than ``kept_bytes`` (rounded down, never over)."""
+    index, kept = len(sizes), 0
+    while index and kept + sizes[index - 1] <= kept_bytes:
+        index -= 1
+        kept += sizes[index]
+    return index
 
 
 class PlannedState:
-    """The plan, the host slab it lays the state out in, and what they say about the state."""
+    """The plan, the host slab it lays the state out in, and what they say about the state: the one owner
+    of the plan, the slab, the kept-bytes goal and the kept bytes."""
 
-    optimizer: torch.optim.Optimizer
-    master_weights: list[torch.Tensor]
-    keep_state_keys: frozenset[str]
-    chunk_bytes: int
-    fraction: float
-    kept_goal: int | None  # bytes to keep on the GPU as decided last (``keep_bytes``); None: by ``fraction``
-    pin_memory: bool
-    check_host_memory: bool
-    stats: OffloadStats
-    plan: Plan
-    plan_dirty: bool
-    kept_bytes: int
-    _slab: HostSlab | None
-    _warned_shared: set[int]
-    wait: Callable[[], None]  # the offloader's: every chunk back and usable
-    copies: CopyQueue
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        master_weights: Sequence[torch.Tensor],
+        keep_state_keys: Sequence[str],
+        chunk_bytes: int,
+        fraction: float,
+        pin_memory: bool,
+        check_host_memory: bool,
+        stats: OffloadStats,
+        copies: CopyQueue,
+    ) -> None:
+        self.optimizer = optimizer
+        self.master_weights = list(master_weights)
+        self.keep_state_keys = frozenset(keep_state_keys)
+        self.chunk_bytes = chunk_bytes
+        self.fraction = fraction
+        self.kept_goal: int | None = None  # bytes to keep (keep_bytes, evict); None: by ``fraction``
+        self.pin_memory = pin_memory
+        self.check_host_memory = check_host_memory
+        self.stats = stats  # the offloader's; this object writes its plan figures (host, kept, pinned)
+        self.copies = copies  # the offloader's queue: drained before the slab is re-laid or freed
+        self.plan = Plan()
+        self.plan_dirty = True
+        self.kept_bytes = 0  # state kept on the GPU, counting the moments to come (see count_plan)
+        self.host_slab: HostSlab | None = None
+        self._warned_shared: set[int] = set()
 
     # ----------------------------------------------------------------------------------- state
     @property
@@ -58,7 +81,7 @@ class PlannedState:
 
     @property
     def slab(self) -> torch.Tensor:
-        return self._slab.tensor
+        return self.host_slab.tensor
 
     def estimated_host_bytes(self) -> int:
         """Host bytes this offloader will need: what exists now, or masters + two moments per parameter
@@ -73,22 +96,23 @@ class PlannedState:
             self.optimizer, self.master_weights, self.keep_state_keys, self.plan.planned, self._warned_shared
         )
 
-    def _refresh_plan(self) -> None:
+    def refresh(self, bring_back: Callable[[], None]) -> None:
         """Re-make the chunks (in the same slab when it is large enough) if the set of offloadable
-        tensors changed. Brings every chunk back first: a new plan starts from tensors on the GPU."""
+        tensors changed. ``bring_back`` (the offloader's ``wait``) brings every chunk back first: a new
+        plan starts from tensors on the GPU."""
         self.plan_dirty = False
         found = list(self._offloadable())
         key = planning.plan_key(found)
-        if self._slab is not None and key == self.plan.key:
+        if self.host_slab is not None and key == self.plan.key:
             return
-        self.wait()
+        bring_back()
         self.copies.drain()  # no copy may still read or write the slab in the old layout
         cuts = planning.cut(self.optimizer, found, self.chunk_bytes)
         self._make_room(sum(expected for piece in cuts for _, _, expected in piece))
         sizes = [sum(expected for _, _, expected in piece) for piece in cuts]
-        self.plan = planning.lay_out(cuts, self._slab.tensor, key, self._first_kept(sizes))
+        self.plan = planning.lay_out(cuts, self.host_slab.tensor, key, self._first_kept(sizes))
         self.count_plan()
-        self.stats.pinned = self._slab.pinned or not self.chunks
+        self.stats.pinned = self.host_slab.pinned or not self.chunks
         if found:
             logger.info(
                 "offload plan: %d tensors in %d chunks, %.3f GiB offloaded, %.3f GiB kept on the GPU",
@@ -104,34 +128,56 @@ class PlannedState:
         self.stats.kept_bytes = self.plan.kept_bytes(to_come=False)
         self.kept_bytes = self.plan.kept_bytes()  # with Adam's moments to come: what the scheduler budgets
 
-    def prepare(self) -> None:
+    def prepare(self, bring_back: Callable[[], None]) -> None:
         """Plan the state and pin its host slab now (about 0.5 s per GiB), so that the first offload
         runs at link speed instead of pinning on the way. No copies are made."""
-        if self._slab is None and not self.is_offloaded:
-            self._refresh_plan()
+        if self.host_slab is None and not self.is_offloaded:
+            self.refresh(bring_back)
 
     def set_fraction(self, fraction: float) -> None:
-        """Offload this share of the state from now on (whole chunks from the front): chunks no longer
-        kept leave at the next ``offload()``; newly kept ones come back through the next step and stay."""
+        """Offload at least this share of the state from now on: whole chunks at the back stay, within
+        the rest (rounded down); chunks no longer kept leave at the next ``offload()``, newly kept ones
+        come back through the next step and stay."""
         self.fraction, self.kept_goal = fraction, None
         self._mark_kept()
 
     def keep_bytes(self, nbytes: int) -> int:
-        """Keep about ``nbytes`` of the state on the GPU from now on, in this plan and later ones (whole
-        chunks from the back: ``plan.kept_from_bytes``); moves as ``set_fraction`` does. Returns the bytes
-        kept, counting the moments Adam's first step will add (the sizes it split by)."""
+        """Keep at most ``nbytes`` of the state on the GPU from now on, in this plan and later ones: the
+        longest run of whole chunks at the back that fits (``kept_from_bytes``); moves as
+        ``set_fraction`` does. Returns the bytes kept, counting the moments Adam's first step will add."""
         self.kept_goal = nbytes
         self._mark_kept()
         return self.kept_bytes
 
+    def let_go(self, nbytes: int) -> list[Chunk]:
+        """Keep ``nbytes`` less on the GPU: kept chunks from the front of the kept run are no longer kept
+        until that many are let go, and what stays kept is the goal from now on, in later plans too.
+        Returns the chunks let go (the offloader sends those on the GPU out)."""
+        released, gone = 0, []
+        for chunk in self.chunks:
+            if released >= nbytes:
+                break
+            if chunk.kept:
+                chunk.kept = False
+                released += chunk.nbytes
+                gone.append(chunk)
+        self.count_plan()
+        self.kept_goal = self.kept_bytes
+        return gone
+
+    def full_sizes(self) -> list[int]:
+        """Each chunk's size once Adam's first step has added the moments, in step order."""
+        return [max(c.nbytes, c.expected) for c in self.chunks]
+
     def _first_kept(self, sizes: list[int]) -> int:
-        """Index of the first kept chunk: by the bytes decided last, else by the fraction."""
-        if self.kept_goal is None:
-            return planning.kept_from(sizes, self.fraction)
-        return planning.kept_from_bytes(sizes, self.kept_goal)
+        """Index of the first kept chunk: by the bytes decided last, else by the fraction, in bytes."""
+        goal = self.kept_goal
+        if goal is None:
+            goal = int((1.0 - self.fraction) * sum(sizes))
+        return kept_from_bytes(sizes, goal)
 
     def _mark_kept(self) -> None:
-        first_kept = self._first_kept([max(c.nbytes, c.expected) for c in self.chunks])
+        first_kept = self._first_kept(self.full_sizes())
         for chunk in self.chunks:
             chunk.kept = chunk.index >= first_kept
         self.count_plan()
@@ -139,26 +185,31 @@ class PlannedState:
     def _make_room(self, host_bytes: int) -> None:
         """Keep the host slab if it is large enough, else pin a new one of ``host_bytes``, which counts
         the moments Adam's first step will add, so that the slab is pinned only once."""
-        if self._slab is not None and self._slab.nbytes >= host_bytes:
+        if self.host_slab is not None and self.host_slab.nbytes >= host_bytes:
             return
-        self._release_slab()
+        self.release_slab()
         if self.check_host_memory:
             # Other ranks on this node may have pinned theirs already: count only our own bytes here.
             check_host_room(host_bytes, ranks=1)
-        self._slab = HostSlab(host_bytes, torch.uint8, self.pin_memory)
+        self.host_slab = HostSlab(host_bytes, torch.uint8, self.pin_memory)
 
-    def _release_slab(self) -> None:
+    def release_slab(self) -> None:
+        """Free the host slab and forget the plan laid out in it."""
         self.copies.drain()  # a copy may still be reading or writing the old slab: idle before freeing it
-        if self._slab is not None:
-            self._slab.release()
-        self.plan, self._slab = Plan(), None
+        if self.host_slab is not None:
+            self.host_slab.release()
+        self.plan, self.host_slab = Plan(), None
         self.count_plan()
 
     def plan_is_current(self) -> bool:
         """Every offloadable tensor is in the plan (the moments Adam's first step made were adopted into
         their chunks); then the plan is the state's. One walk over the state."""
         found = list(self._offloadable())
-        if self.plan_dirty or self._slab is None or not all(id(tensor) in self.plan.planned for tensor, _ in found):
+        if self.plan_dirty or self.host_slab is None or not all(id(tensor) in self.plan.planned for tensor, _ in found):
             return False
         self.plan.key = planning.plan_key(found)
         return True
+
+    def replaced(self) -> None:
+        """The state's tensors may be new ones (a checkpoint load): the next offload plans afresh."""
+        self.plan_dirty = True

@@ -1,22 +1,28 @@
-"""How much optimizer state may be on the GPU, and when, against one memory limit.
+"""How much optimizer state stays on the GPU, and when the rest may move, against one memory limit.
 
 The limit is the cap (``--offload-gpu-memory-cap-gib``), else what this process holds plus what the
 device has free, in *reserved* bytes: the currency the allocator enforces it in. From readings the
-loop hands it (no CUDA here: tested on the CPU) it learns the natural peak, training's need without
-state (iteration 1 runs with all of it offloaded), and its growth (a later peak passing every earlier
-one). It decides ``kept_budget`` (``--offload-fraction auto``: the limit less the natural peak and a
-margin), ``backlog_budget`` (copies out that may still be pending when a step returns: the same room
-less what is kept) and ``backward_room`` (what may come back in the last backward).
+loop hands it (no CUDA here: tested on the CPU) it learns the natural peak: what training needs
+without state, read when iteration 1's step has ended (forward, backward and a step that streamed
+the whole state: the footprint of ``--offload-prefetch step``), and its growth (a later peak, less
+the state that was resident, passing it).
+
+From these it decides, in bytes, ``kept``: the state that stays on the GPU, whole chunks from the
+back of each offloader, never more than the limit leaves beside the natural peak and a margin
+(rounded down), decided once and only lowered after (the peak grew, or a forward had to evict). With
+room to spare that is all of it and nothing moves; where the whole state fits nowhere, none.
+It also bounds the copies a step may leave pending (``backlog_budget``) and what may come back in
+the last backward (``backward_room``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from megatron_offload.core.units import GIB, MIB
 
-__all__ = ["Peaks", "StateScheduler"]
+__all__ = ["Peaks", "StateScheduler", "whole_chunks"]
 
 MARGIN_SHARE = 0.03  # of the limit, kept free for what no reading sees (allocator rounding, spikes)
 MIN_MARGIN_BYTES = 128 * MIB
@@ -30,40 +36,68 @@ class Peaks:
     reserved: int
 
 
+def suffix_within(sizes: Sequence[int], budget: int) -> int:
+    """Bytes of the longest run of whole chunks at the back of ``sizes`` that fits in ``budget``."""
+    kept = 0
+    for size in reversed(sizes):
+        if kept + size > budget:
+            break
+        kept += size
+    return kept
+
+
+def whole_chunks(budget: int, sizes: Sequence[Sequence[int]], ceilings: Sequence[int] | None = None) -> list[int]:
+    """Split ``budget`` over offloaders (``sizes``: each one's chunk sizes in step order) into whole
+    chunks at the back of each: a share in proportion to its state, rounded down, then what rounding
+    left over to whichever can take a whole chunk more. Never more than ``budget`` in total, nor than
+    an offloader's ceiling (what it kept before: decisions only go down)."""
+    totals = [sum(s) for s in sizes]
+    state = sum(totals)
+    budget = max(0, min(budget, state))
+    ceilings = list(ceilings) if ceilings is not None else totals
+    shares = [
+        suffix_within(s, min(ceiling, budget * total // state if state else 0))
+        for s, total, ceiling in zip(sizes, totals, ceilings, strict=True)
+    ]
+    for index, (s, ceiling) in enumerate(zip(sizes, ceilings, strict=True)):
+        left = budget - sum(shares)
+        shares[index] = suffix_within(s, min(ceiling, shares[index] + left))
+    return shares
+
+
 class StateScheduler:
     """The memory ledger of one process's optimizer state; see the module docstring."""
 
     def __init__(self, limit: Callable[[], int]) -> None:
         self._limit = limit  # read once per step (other processes may take memory meanwhile): see limit()
         self._limit_now: int | None = None
-        self.natural: Peaks | None = None  # None until the first step has been seen
+        self.natural: Peaks | None = None  # None until iteration 1's step has ended
         self._last_peaks: Peaks | None = None  # the process's peaks when the latest step ended
         self.grown = 0  # bytes the natural peak grew by after iteration 1
+        self.kept: list[int] | None = None  # bytes each offloader keeps on the GPU; None: not decided yet
 
     # ------------------------------------------------------------------------------ learning
-    def observe_step_start(self, peaks: Peaks, on_gpu_at_peak: int) -> bool:
-        """At each step's start, before the step allocates anything. ``on_gpu_at_peak``: optimizer
-        state that may have been on the GPU when the forward and backward peaked (kept state: counted
-        as resident, which can only make the estimate larger). Returns True when the natural peak grew."""
+    def start_step(self) -> None:
+        """At each step's start: read the limit for this iteration."""
         self._limit_now = self._limit()
+
+    def observe_step_end(self, peaks: Peaks, resident: int) -> bool:
+        """After each step. Iteration 1 ran with all state offloaded: its peaks are the natural peak.
+        Later, ``resident``: state that may have been on the GPU at the peak (kept, brought back early),
+        subtracted in full, which can only make the estimate smaller. True when the natural peak grew."""
+        last, self._last_peaks = self._last_peaks, peaks
         if self.natural is None:
-            self.natural = peaks  # iteration 1: no state on the GPU, nothing brought back yet
+            self.natural = peaks
             return False
-        last = self._last_peaks or self.natural
-        if peaks.allocated <= last.allocated and peaks.reserved <= last.reserved:
-            return False
-        # A new process-wide peak during forward and backward: natural need plus what was resident.
-        allocated = max(self.natural.allocated, peaks.allocated - on_gpu_at_peak)
-        reserved = max(self.natural.reserved, peaks.reserved - on_gpu_at_peak)
-        if allocated == self.natural.allocated and reserved == self.natural.reserved:
+        if last is not None and peaks.allocated <= last.allocated and peaks.reserved <= last.reserved:
+            return False  # no new process-wide peak: nothing new to learn
+        allocated = max(self.natural.allocated, peaks.allocated - resident)
+        reserved = max(self.natural.reserved, peaks.reserved - resident)
+        if reserved == self.natural.reserved and allocated == self.natural.allocated:
             return False
         self.grown += reserved - self.natural.reserved
         self.natural = Peaks(allocated, reserved)
         return True
-
-    def observe_step_end(self, peaks: Peaks) -> None:
-        """After each step: what the step itself raised the peaks to is not the forward's doing."""
-        self._last_peaks = peaks
 
     # ----------------------------------------------------------------------------- decisions
     @property
@@ -79,15 +113,27 @@ class StateScheduler:
         return max(MIN_MARGIN_BYTES, int(MARGIN_SHARE * (self.limit() if limit is None else limit)))
 
     def room(self) -> int:
-        """Bytes the forward's natural peak leaves under the limit, less the margin (None learned: 0)."""
+        """Bytes the natural peak leaves under the limit, less the margin (nothing learned: 0)."""
         if self.natural is None:
             return 0
         limit = self.limit()
         return max(0, limit - self.margin(limit) - self.natural.reserved)
 
-    def kept_budget(self, state_bytes: int) -> int:
-        """State that may stay on the GPU through forward and backward (``fraction`` auto)."""
-        return min(state_bytes, self.room())
+    def decide(self, sizes: Sequence[Sequence[int]], at_most: int | None = None) -> list[int]:
+        """Bytes each offloader keeps (``sizes``: its chunks' full sizes in step order): whole chunks
+        within the room, and within ``at_most`` (a fixed fraction's share). Once decided, only lowered."""
+        budget = self.room() if at_most is None else min(self.room(), at_most)
+        self.kept = whole_chunks(budget, sizes, self.kept)
+        return self.kept
+
+    def lower(self, kept: Sequence[int]) -> None:
+        """What each offloader keeps after an eviction: the decision from now on, never raised again."""
+        before = self.kept or list(kept)
+        self.kept = [min(now, was) for now, was in zip(kept, before, strict=True)]
+
+    @property
+    def kept_total(self) -> int:
+        return sum(self.kept or ())
 
     def backlog_budget(self, kept_bytes: int) -> int:
         """Offload copies that may still be pending when the step returns: they overlap the next
@@ -105,14 +151,24 @@ class StateScheduler:
         limit = self.limit()
         return limit - self.margin(limit) - self.caching_gap - allocated
 
-    def explain(self, kept: int, state_bytes: int) -> str:
-        """One line for the log: what ``auto`` chose and why."""
-        limit = self.limit()
+    # ------------------------------------------------------------------------------- telling
+    def explain(self, state_bytes: int) -> str:
+        """One line for the log: what stays on the GPU and why."""
+        limit, kept = self.limit(), self.kept_total
         natural = self.natural.reserved if self.natural else 0
         grown = f" (grew by {self.grown / GIB:.2f} GiB since iteration 1)" if self.grown else ""
         return (
-            f"megatron-offload: --offload-fraction auto keeps {kept / GIB:.2f} of {state_bytes / GIB:.2f} GiB of "
-            f"optimizer state on the GPU and offloads {(state_bytes - kept) / GIB:.2f} GiB: memory limit "
-            f"{limit / GIB:.2f} GiB, peak without state {natural / GIB:.2f} GiB reserved{grown}, "
-            f"margin {self.margin(limit) / GIB:.2f} GiB"
+            f"megatron-offload: keeps {kept / GIB:.2f} of {state_bytes / GIB:.2f} GiB of optimizer state on the "
+            f"GPU and moves {(state_bytes - kept) / GIB:.2f} GiB: memory limit {limit / GIB:.2f} GiB, peak "
+            f"without state {natural / GIB:.2f} GiB reserved{grown}, margin {self.margin(limit) / GIB:.2f} GiB"
+        )
+
+    def too_small(self, peak_reserved: int, asked: int, state_bytes: int) -> str:
+        """The numbers of a run out of memory with the whole state in host memory (the smallest footprint
+        did not fit): what training needs without the state, at least, and the limit."""
+        needs = max(peak_reserved + asked, self.natural.reserved if self.natural else 0)
+        return (
+            f"even with all {state_bytes / GIB:.2f} GiB of optimizer state in host memory, training needs at least "
+            f"{needs / GIB:.2f} GiB without it ({peak_reserved / GIB:.2f} GiB reserved at the peak + "
+            f"{asked / GIB:.2f} GiB asked) and the memory limit is {self.limit() / GIB:.2f} GiB"
         )

@@ -4,12 +4,16 @@ Chunks already on the GPU are updated first, in groups, while the first streamed
 copies out are left for the loop's next points. The others stream through ``STAGING_CHUNKS`` buffers
 (chunk i+2 in, i updated, i-1 out, at once), every order kept on the device, so the host never waits.
 NOTE: a streamed chunk's copy out starts within the step (its buffer is needed again).
+NOTE: with a ``stage`` (params whose values and gradients live in device-mapped host memory), each
+group's params and gradients come to the GPU ahead of its update (the stage is told the order first),
+and ready chunks are updated in groups of about one chunk (each group's GPU copies are that large); a
+whole step updates them where they are.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -17,11 +21,12 @@ from megatron_offload.core.units import MIB
 from megatron_offload.optimizer_state import plan as planning
 from megatron_offload.optimizer_state.chunk_step import ChunkStepper
 from megatron_offload.optimizer_state.plan import Chunk
+from megatron_offload.optimizer_state.staged_params import STAGED_BUFFERS, staged_bytes
 
 if TYPE_CHECKING:
     from megatron_offload.optimizer_state.offloader import OptimizerStateOffloader
 
-__all__ = ["READY_GROUP_BYTES", "STAGING_CHUNKS", "footprint", "run"]
+__all__ = ["READY_GROUP_BYTES", "STAGING_CHUNKS", "footprint", "run", "staged_footprint"]
 
 # Buffers the streamed step cycles through: one chunk coming in, one updated, one going out.
 STAGING_CHUNKS = 3
@@ -33,17 +38,53 @@ READY_GROUP_BYTES = 1024 * MIB
 AfterChunk = Callable[[list[torch.Tensor]], None]
 
 
-def footprint(offloader: OptimizerStateOffloader) -> int:
+class Stage(Protocol):
+    """Brings a chunk's params and gradients to the GPU around its update (``staged_params.StagedParams``)."""
+
+    def begin(self, order: list[list[torch.Tensor]]) -> None: ...
+
+    def lend(self, params: list[torch.Tensor], copy: bool = True) -> None: ...
+
+    def give_back(self) -> None: ...
+
+    def end_step(self) -> None: ...
+
+
+def footprint(offloader: OptimizerStateOffloader, staged: bool = False) -> int:
     """Most device memory the streamed step adds beyond what is on the GPU already: the staging
-    chunks, and optimizer temporaries for one group of ready chunks."""
-    largest = max((max(c.nbytes, c.expected) for c in offloader.chunks), default=offloader.chunk_bytes)
-    return STAGING_CHUNKS * max(largest, offloader.chunk_bytes) + max(READY_GROUP_BYTES, offloader.chunk_bytes) // 2
+    chunks, and optimizer temporaries for one group of ready chunks. ``staged``: with a stage, also its
+    buffers (``STAGED_BUFFERS`` of the largest group's params and gradients), and temporaries for a
+    group of one chunk's size (the stage's groups are that large)."""
+    largest = max((_size(c) for c in offloader.chunks), default=offloader.chunk_bytes)
+    chunk_bytes = max(largest, offloader.chunk_bytes)
+    if not staged:
+        return STAGING_CHUNKS * chunk_bytes + max(READY_GROUP_BYTES, offloader.chunk_bytes) // 2
+    return STAGING_CHUNKS * chunk_bytes + chunk_bytes // 2 + staged_footprint(offloader)
 
 
-def _groups(chunks: list[Chunk], chunk_bytes: int) -> Iterator[list[Chunk]]:
+def staged_footprint(offloader: OptimizerStateOffloader) -> int:
+    """The stage's buffers: ``STAGED_BUFFERS`` of the most a group holds, one chunk's params and gradients,
+    or chunks whose state adds up to ``chunk_bytes`` at most (bounded by the highest ratio of staged bytes
+    to state bytes among them). Before a plan: ``chunk_bytes`` a group (fp32 masters and gradients take
+    8 bytes per parameter, as Adam's moments do)."""
+    if not offloader.chunks:
+        return STAGED_BUFFERS * offloader.chunk_bytes
+    single, ratio = 0, 0.0
+    for chunk in offloader.chunks:
+        staged = staged_bytes(chunk.params, grads_known=False)
+        single = max(single, staged)
+        ratio = max(ratio, staged / max(_size(chunk), 1))
+    return STAGED_BUFFERS * max(single, int(ratio * offloader.chunk_bytes) + 1 if ratio else 0)
+
+
+def _size(chunk: Chunk) -> int:
+    return max(chunk.nbytes, chunk.expected)
+
+
+def _groups(chunks: list[Chunk], group_bytes: int) -> Iterator[list[Chunk]]:
     group: list[Chunk] = []
     for chunk in chunks:
-        if group and sum(c.nbytes for c in group) + chunk.nbytes > max(READY_GROUP_BYTES, chunk_bytes):
+        if group and sum(_size(c) for c in group) + _size(chunk) > group_bytes:
             yield group
             group = []
         group.append(chunk)
@@ -52,12 +93,17 @@ def _groups(chunks: list[Chunk], chunk_bytes: int) -> Iterator[list[Chunk]]:
 
 
 @torch.no_grad()
-def run(off: OptimizerStateOffloader, stepper: ChunkStepper, after_chunk: AfterChunk | None = None) -> None:
+def run(
+    off: OptimizerStateOffloader,
+    stepper: ChunkStepper,
+    after_chunk: AfterChunk | None = None,
+    stage: Stage | None = None,
+) -> None:
     """Run the optimizer step chunk by chunk and leave the state leaving (kept chunks on the GPU).
     ``after_chunk(params)`` runs right after each chunk's update, while its state is on the GPU
     (Megatron copies the masters into the model there). State the optimizer creates on the way (Adam's
     moments, at its first step) joins its chunk and leaves with it. Falls back to one whole step when
-    the plan does not match the state (after a load replaced tensors)."""
+    the plan does not match the state (after a load replaced tensors). ``stage``: see the NOTE above."""
     off.copies.pump()  # a failed copy is named here, before anything is updated
     off.check_gradients()
     stepper.begin()
@@ -67,19 +113,14 @@ def run(off: OptimizerStateOffloader, stepper: ChunkStepper, after_chunk: AfterC
         try:
             off.wait()
             params = planning.all_params(off.optimizer)
-            stepper.restricted(params)
-            if after_chunk is not None:
-                after_chunk(params)
+            _whole_step(stepper, params, after_chunk, stage)
         finally:
             off.offload(now=False)  # a new plan for the state as it is now, then out
         return
     chunks = off.chunks
     if all(chunk.kept and chunk.on_gpu and chunk.copy is None and chunk.ready is None for chunk in chunks):
         # Nothing moves (all of it kept and here): the optimizer's own step, as without offloading.
-        params = planning.all_params(off.optimizer)
-        stepper.restricted(params)
-        if after_chunk is not None:
-            after_chunk(params)
+        _whole_step(stepper, planning.all_params(off.optimizer), after_chunk, stage)
         for chunk in chunks:
             chunk.touched = True
         return
@@ -98,9 +139,15 @@ def run(off: OptimizerStateOffloader, stepper: ChunkStepper, after_chunk: AfterC
         for chunk in group:
             off.hand_to_compute(chunk)
         params = [p for chunk in group for p in chunk.params]
-        stepper(params, key=tuple(chunk.index for chunk in group))
-        if after_chunk is not None:
-            after_chunk(params)
+        if stage is not None:
+            stage.lend(params)
+        try:
+            stepper(params, key=tuple(chunk.index for chunk in group))
+            if after_chunk is not None:
+                after_chunk(params)
+        finally:
+            if stage is not None:
+                stage.give_back()
         added = [planning.adopt_new_state(off.plan, c, off.optimizer, off.keep_state_keys, off.slab) for c in group]
         if any(added):
             off.count_plan()
@@ -111,10 +158,14 @@ def run(off: OptimizerStateOffloader, stepper: ChunkStepper, after_chunk: AfterC
         buffer = staging[index % STAGING_CHUNKS][: chunk.nbytes]
         off.copies.start(off.queue_prefetch(chunk, buffer, after=after))
 
+    group_bytes = off.chunk_bytes if stage is not None else max(READY_GROUP_BYTES, off.chunk_bytes)
+    ready_groups = list(_groups(ready, group_bytes))
     try:
+        if stage is not None:  # the update order: the stage brings each group's params in ahead of it
+            stage.begin([[p for c in group for p in c.params] for group in [*ready_groups, *([c] for c in streamed)]])
         for index in range(min(STAGING_CHUNKS - 1, len(streamed))):
             bring_in(index, fresh)
-        for group in _groups(ready, off.chunk_bytes):
+        for group in ready_groups:
             update(group)
             for chunk in group:
                 if not chunk.kept:
@@ -137,3 +188,18 @@ def run(off: OptimizerStateOffloader, stepper: ChunkStepper, after_chunk: AfterC
         off.queue_out()  # whatever is still here and not kept leaves, never half-way (the plan was checked above)
         off.count_step()
         off.copies.pump()
+
+
+def _whole_step(
+    stepper: ChunkStepper, params: list[torch.Tensor], after_chunk: AfterChunk | None, stage: Stage | None
+) -> None:
+    """One update of every param where it is (a stage only applies what it defers, e.g. clipping)."""
+    if stage is not None:
+        stage.lend(params, copy=False)
+    try:
+        stepper.restricted(params)
+        if after_chunk is not None:
+            after_chunk(params)
+    finally:
+        if stage is not None:
+            stage.give_back()

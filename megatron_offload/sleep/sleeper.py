@@ -301,7 +301,9 @@ class Sleeper:
         """Offload the state through the engine; returns the bytes that left the device."""
         before = sum(o.offloaded_bytes for o in self.offloaders)
         for offloader in self.offloaders:
-            offloader.offload()  # every chunk's copy queued at once, after the compute stream's work
+            # Every chunk's copy queued at once, after the compute stream's work; kept chunks too (the
+            # default keeps what fits): they stay kept, and the next step brings them back.
+            offloader.offload(kept_too=True)
         for offloader in self.offloaders:
             # Blocks until the copies have landed and the engine has dropped the device memory they read.
             offloader.copies.drain()

@@ -54,6 +54,7 @@ class Unit:
     grads_in: object | None = None  # the Slot holding its gradients during its backward
     lent: bool = False  # its params point at GPU memory now
     grads_on_host: bool = False  # the host gradients hold earlier micro-batches of this step
+    grads_stale: bool = False  # the host gradients are an earlier step's, not zeroed (the first copy out overwrites)
     weights_dtype: torch.dtype = torch.bfloat16
     grads_dtype: torch.dtype = torch.float32
 

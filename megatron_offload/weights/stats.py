@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megatron_offload.core.stats import WaitClock
 from megatron_offload.core.streams import Event
 
 __all__ = ["WeightStats"]
@@ -15,21 +16,14 @@ class WeightStats:
     bytes_out: int = 0  # gradients to the host
     exposed_ms: float = 0.0  # time the compute stream stood waiting for a copy (CUDA events)
     gpu_bytes: int = 0  # the slots and resident copies, allocated once
-    _waits: list[tuple[Event, Event]] = field(default_factory=list, repr=False)
+    _waits: WaitClock = field(default_factory=WaitClock, repr=False)
 
     def add_wait(self, start: Event | None, end: Event | None) -> None:
-        if start is not None and end is not None:
-            self._waits.append((start, end))
+        self._waits.add(start, end)
 
     def harvest(self) -> WeightStats:
         """Add the waits that have completed by now (the rest stay for the next reading)."""
-        pending = []
-        for start, end in self._waits:
-            if end.query():
-                self.exposed_ms += start.elapsed_time(end)
-            else:
-                pending.append((start, end))
-        self._waits = pending
+        self.exposed_ms = self._waits.read()
         return self
 
     def snapshot(self) -> WeightStats:

@@ -16,13 +16,21 @@ runs in order, so its latest event stands for every earlier copy out (``last_out
 NOTE: ``settle()`` ends a step's streaming: every gradient on the host, the compute stream ordered after
 the last copy out (the optimizer reads those gradients there), every slot forgotten (the step rewrites
 the host weights), every parameter pointing at its host copy again, as the framework left it.
+NOTE: the framework's zeroing of the host gradients may be skipped (``skip_zeroing()``): each unit's
+first copy out of a step writes every element of its host ranges from a slot that started at zero,
+and nothing reads them before; a unit whose gradients never left in a step is zeroed at ``settle()``.
+NOTE: with ``norms``, each unit's per-tensor gradient norms are taken in its slot when its gradients
+leave after the last micro-batch (``last_microbatch()``), before the copy out is ordered.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from megatron_offload.core.streams import OFFLOAD, PREFETCH, Event, Streams
+from megatron_offload.weights.grad_norms import SlotNorms
 from megatron_offload.weights.plan import Schedule, Unit
 from megatron_offload.weights.slots import Slot, SlotRing
 from megatron_offload.weights.stats import WeightStats
@@ -43,10 +51,13 @@ class WeightStreamer:
         weight_slots: int = 3,
         grad_slots: int = 3,
         grad_attr: str = "main_grad",
+        norms: SlotNorms | None = None,
+        last_microbatch: Callable[[], bool] = lambda: True,
     ) -> None:
         if weight_slots < 2 or grad_slots < 2:
             raise ValueError("weight streaming needs at least two weight slots and two gradient slots")
         self.layers, self.resident, self.streams, self.grad_attr = layers, resident, streams, grad_attr
+        self.norms, self.last_microbatch = norms, last_microbatch
         self.schedule = Schedule(len(layers))
         numel = max(unit.numel for unit in layers)
         self.weights = SlotRing(weight_slots, numel, layers[0].weights_dtype, streams.block)
@@ -92,7 +103,7 @@ class WeightStreamer:
     def after_backward(self, index: int) -> None:
         """A streamed layer's backward is done: its gradients go to the host, its slots free up."""
         unit = self.layers[index]
-        self._gradients_out(unit, unit.grads_in)
+        self._gradients_out(unit, unit.grads_in, final=self.last_microbatch())
         self._give_back(unit)
         self._prefetch()
 
@@ -107,21 +118,38 @@ class WeightStreamer:
         self._lend(unit, weights, grads=False)
         self._lend(unit, grads, grads=True)
 
+    def new_step(self) -> None:
+        """A training step begins: settle what an evaluation left lent; no norms taken yet."""
+        self.settle()
+        if self.norms is not None:
+            self.norms.clear()
+
+    def skip_zeroing(self) -> None:
+        """The framework skipped zeroing the host gradients: each unit's first copy out will overwrite them."""
+        for unit in self._units():
+            unit.grads_stale = True
+
     def settle(self) -> None:
         """End of a step's backward (or before a new step): see the docstring's NOTE."""
         if self.resident is not None and self.resident.lent:
             weights, grads = self.resident_slots
             if self.backward_ran:
-                self._gradients_out(self.resident, grads)
+                self._gradients_out(self.resident, grads, final=True)
             self._give_back(self.resident)
             grads.in_use, weights.in_use = False, False
             self.resident.grads_on_host = False  # the next step's sum starts at zero on the GPU
         for unit in self.layers:
             if unit.grads_in is not None and unit.grads_in.in_use:
-                self._gradients_out(unit, unit.grads_in)  # a backward whose input hook never fired
+                self._gradients_out(unit, unit.grads_in, final=True)  # a backward whose input hook never fired
             if unit.lent:
                 self._give_back(unit)
             unit.grads_on_host = False
+        for unit in self._units():
+            if unit.grads_stale:  # no backward wrote it since the zeroing was skipped: zero, as the framework would
+                for run in unit.runs:
+                    if run.host_grads is not None:
+                        run.host_grads.zero_()
+                unit.grads_stale = False
         if self.last_out is not None:
             # On the device: the optimizer's kernels read the host gradients after the last copy out.
             self._wait(self.last_out)
@@ -131,6 +159,9 @@ class WeightStreamer:
         self.backward_ran = False
 
     # ------------------------------------------------------------------------------ internals
+    def _units(self) -> list[Unit]:
+        return self.layers + ([self.resident] if self.resident is not None else [])
+
     def _distance(self, unit: Unit) -> int:
         return self.schedule.distance(unit.index, self.now)
 
@@ -191,16 +222,18 @@ class WeightStreamer:
             unit.weights_in.in_use = False
         unit.lent = False
 
-    def _gradients_out(self, unit: Unit, slot: Slot | None) -> None:
+    def _gradients_out(self, unit: Unit, slot: Slot | None, final: bool = False) -> None:
         if slot is None:
             return
+        if final and self.norms is not None:
+            self.norms.take(unit.index, slot.buffer)  # before the mark below: the copy out waits for the norms
         # After a compute mark: every gradient of the unit has been accumulated into the slot.
         _, end = self.streams.copy(OFFLOAD, unit.grad_pairs(slot.buffer, to_host=True), self.streams.mark())
         slot.free_after = self.last_out = end
         slot.in_use = False
         if not unit.resident:
             slot.unit, unit.grads_in = None, None
-        unit.grads_on_host = True
+        unit.grads_on_host, unit.grads_stale = True, False
         self.stats.bytes_out += unit.grad_nbytes
 
     def _prefetch(self) -> None:

@@ -11,7 +11,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from megatron_offload.activations.layer_inputs import LayerInputOffloader
-from megatron_offload.core.streams import OFFLOAD, PREFETCH, HostStreams
+from megatron_offload.core.streams import OFFLOAD, PREFETCH, Done, HostStreams
 from tests.gates import Gate
 
 
@@ -133,13 +133,49 @@ def test_each_fetch_starts_one_layer_ahead_and_the_data_is_right_when_copies_lag
 def test_timed_waits_are_folded_in_without_a_reader() -> None:
     """A Python-API user who never reads the figures does not accumulate the waits' events."""
 
+    class Running(Done):
+        def query(self) -> bool:
+            return False  # reported as still copying: the compute stream must wait for it
+
     class TimedStreams(HostStreams):
         timed = True
+        waits = 0
+
+        def copy(self, direction, pairs, after):
+            began, _ = super().copy(direction, pairs, after)
+            return began, Running()
 
         def compute_waits(self, event):
+            self.waits += 1
             return self.mark(timed=True), self.mark(timed=True)  # completed, with a time
 
-    offloader = LayerInputOffloader(TimedStreams(), pin=False)
+    streams = TimedStreams()
+    offloader = LayerInputOffloader(streams, pin=False)
     run(5, offloader, steps=80)  # 4 waits a step
-    assert offloader.stats.fetched == 320
-    assert len(offloader._waits) <= 256
+    assert offloader.stats.fetched == streams.waits == 320
+    assert len(offloader._waits._pending) <= 256
+
+
+def test_an_input_already_back_is_not_waited_for() -> None:
+    class CountingStreams(HostStreams):
+        waits = 0
+
+        def compute_waits(self, event):
+            self.waits += 1
+            return super().compute_waits(event)
+
+    streams = CountingStreams()  # the CPU's copies have landed when they return
+    offloader = LayerInputOffloader(streams, pin=False)
+    run(5, offloader, steps=2)
+    assert offloader.stats.fetched == 8 and streams.waits == 0
+
+
+def test_the_pass_that_makes_host_buffers_says_so_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    offloader = LayerInputOffloader(HostStreams(), pin=False)
+    run(5, offloader, steps=1)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "layer inputs" in line]
+    told = "megatron-offload: layer inputs hold 0.00 GiB of pageable host memory (4 buffers), made once and reused"
+    assert lines == [told]
+    assert offloader.read_stats().host_buffers == 4
+    run(5, offloader, steps=1)  # the same buffers again: nothing new to tell
+    assert "layer inputs" not in capsys.readouterr().err

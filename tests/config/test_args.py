@@ -31,7 +31,7 @@ def test_defaults_and_returned_parser() -> None:
     assert args.offload_optimizer_states is False
     assert args.offload_master_weights is True
     assert args.offload_prefetch == "auto"
-    assert args.offload_chunk_mb == 64.0 and args.offload_fraction == 1.0
+    assert args.offload_chunk_mb == 64.0 and args.offload_fraction == "auto"
     assert args.offload_host_memory_check is True
     assert config_from_args(args) == OffloadConfig()
 
@@ -249,7 +249,8 @@ def test_a_config_file_gets_the_same_checks(
 
 
 FRACTION_MESSAGE = (
-    "--offload-fraction must be 'auto' or a number from 0 (offload nothing) to 1 (offload all, the default), got {}"
+    "--offload-fraction must be 'auto' or a number from 0 (offload nothing) to 1 (offload all); 'auto', the "
+    "default, keeps what fits; got {}"
 )
 
 
@@ -273,10 +274,10 @@ def test_fraction_auto_from_a_config_file(tmp_path) -> None:
     assert config_from_args(args).fraction == "auto"
 
 
-def test_fraction_numbers_still_parse_and_the_default_is_one() -> None:
+def test_fraction_numbers_still_parse_and_the_default_is_auto() -> None:
     parser = add_offload_args(argparse.ArgumentParser())
     assert parser.parse_args(["--offload-fraction", "0.5"]).offload_fraction == 0.5
-    assert parser.parse_args([]).offload_fraction == 1.0 and OffloadConfig().fraction == 1.0
+    assert parser.parse_args([]).offload_fraction == "auto" and OffloadConfig().fraction == "auto"
 
 
 def test_a_bad_fraction_word_is_one_line_naming_the_flag_and_the_choices(capsys: pytest.CaptureFixture[str]) -> None:
@@ -332,7 +333,7 @@ def test_offload_flags_without_the_switch_are_listed_as_ignored() -> None:
     assert ignored_offload_flags(parser.parse_args([])) == []
     assert ignored_offload_flags(parser.parse_args(["--offload-gpu-memory-cap-gib", "8"])) == []
     args = parser.parse_args(
-        ["--offload-fraction", "auto", "--no-offload-master-weights", "--offload-prefetch", "step"]
+        ["--offload-fraction", "0.5", "--no-offload-master-weights", "--offload-prefetch", "step"]
     )
     assert ignored_offload_flags(args) == ["--no-offload-master-weights", "--offload-prefetch", "--offload-fraction"]
     args = parser.parse_args(["--offload-optimizer-states", "--offload-fraction", "0.5"])

@@ -11,7 +11,12 @@ import pytest
 
 from megatron_offload import add_offload_args
 from megatron_offload.config.flags import check_offload_combinations
-from megatron_offload.config.long_context_flags import SDPA_SPEC, layer_input_bytes_per_rank
+from megatron_offload.config.long_context_flags import (
+    SDPA_SPEC,
+    LongContextConfig,
+    layer_input_bytes_per_rank,
+    long_context_config_from_args,
+)
 
 FULL = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
@@ -37,6 +42,8 @@ def test_the_supported_combinations_pass() -> None:
         (["--offload-layer-inputs"], {"distribute_saved_activations": True}, r"--distribute-saved-activations"),
         (["--offload-layer-inputs"], {"fp8": "hybrid"}, r"does not support fp8"),
         (["--offload-layer-inputs"], {"cpu_offloading": True}, r"--cpu-offloading"),
+        (["--offload-layer-inputs"], {"cuda_graph_impl": "local"}, r"CUDA graphs.*--cuda-graph-impl local"),
+        ([], {"spec": SDPA_SPEC, "softmax_type": "off-by-one"}, r"use vanilla.*--softmax-type off-by-one"),
         (["--chunked-loss"], {"tensor_model_parallel_size": 2}, r"--tensor-model-parallel-size 2"),
         (["--chunked-loss"], {"mtp_num_layers": 1}, r"--mtp-num-layers"),
         (["--chunked-loss"], {"cross_entropy_loss_fusion": True}, r"drop --cross-entropy-loss-fusion"),
@@ -76,3 +83,10 @@ def test_layer_input_host_bytes() -> None:
     args.recompute_method, args.recompute_num_layers = "block", 10  # only the first ten layers are checkpointed
     assert layer_input_bytes_per_rank(args) == 10 * 65536 * 3072 * 2
     assert layer_input_bytes_per_rank(parse(num_layers=36, seq_length=65536, hidden_size=3072)) == 0
+
+
+def test_the_config_is_read_once_from_the_parsed_flags() -> None:
+    args = parse("--offload-layer-inputs", "--chunked-loss", "--chunked-loss-tokens", "512")
+    config = long_context_config_from_args(args)
+    assert config == LongContextConfig(layer_inputs=True, chunked_loss=True, chunk_tokens=512) and config.wanted
+    assert not long_context_config_from_args(parse()).wanted

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 
 import pytest
+import torch
 
 from megatron_offload.core.progress import GIB, pin_progress
 
@@ -39,3 +40,17 @@ def test_no_done_line_when_pinning_fails(monkeypatch: pytest.MonkeyPatch) -> Non
     with pytest.raises(RuntimeError), pin_progress(2 * GIB, stream=out, clock=fake_clock(0.0, 1.0)):
         raise RuntimeError("cudaHostRegister failed")
     assert out.getvalue() == "megatron-offload: pinning 2.00 GiB of host memory ...\n"
+
+
+def test_a_slab_made_with_announce_off_pins_without_lines(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from megatron_offload.core import host_memory
+
+    monkeypatch.setattr(host_memory, "_cuda_available", lambda: True)
+    monkeypatch.setattr(host_memory, "_pin", lambda pointer, nbytes: 0)
+    monkeypatch.setattr(host_memory, "_unregister", lambda pointer: None)
+    quiet = host_memory.HostSlab(host_memory.MIN_BYTES, torch.uint8, pin=True, announce=False)
+    assert quiet.pinned and capsys.readouterr().err == ""
+    loud = host_memory.HostSlab(host_memory.MIN_BYTES, torch.uint8, pin=True)
+    assert loud.pinned and "pinning 0.25 GiB of optimizer state's host memory" in capsys.readouterr().err

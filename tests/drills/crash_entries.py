@@ -42,7 +42,7 @@ ARGS = [  # every run of every entry, offloaded or not
     *("--config", "configs/tiny.yaml", "--train-iters", str(TRAIN_ITERS), "--log-memory-interval", str(TRAIN_ITERS)),
     *("--ckpt-format", "torch_dist", "--save-interval", str(SAVE_INTERVAL)),
 ]
-OFFLOAD_STATES = ("--offload-optimizer-states",)
+OFFLOAD_STATES = ("--offload-optimizer-states", "--offload-fraction", "1")  # all of it moves: copies to kill
 CONTROL = "control-"  # the control's run names: control-uninterrupted, control-killed, control-resumed
 
 

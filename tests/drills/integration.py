@@ -44,7 +44,7 @@ from tests.drills.crash_verdict import FAIL
 ROOT = Path(__file__).resolve().parents[2]
 
 TINY = ["scripts/pretrain_gpt.py", "--config", "configs/tiny.yaml", "--log-memory-interval", "20"]
-OFFLOAD = ["--offload-optimizer-states"]
+OFFLOAD = ["--offload-optimizer-states", "--offload-fraction", "1"]  # all of it moves every step
 # The larger shapes run 6 iterations instead of their config's 20, to keep the integration runs short.
 SHORT = ["--train-iters", "6", "--log-memory-interval", "6"]
 GPT_1B = ["scripts/pretrain_gpt.py", "--config", "configs/gpt_1b.yaml", *SHORT]

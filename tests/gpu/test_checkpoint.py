@@ -122,7 +122,7 @@ def finish(training: GPTTraining, handle: OffloadHandle) -> Outcome:
 def reference() -> Outcome:
     """The uninterrupted run (offloading, which test_megatron_offload proves bitwise neutral)."""
     training = build_gpt_training(GPTShape())
-    handle = attach_offloader(training.optimizer)
+    handle = attach_offloader(training.optimizer, fraction=1.0)
     head = [training.train_step(iteration) for iteration in range(SAVE_AFTER)]
     tail, state, steps = finish(training, handle)
     handle.detach()
@@ -136,7 +136,7 @@ def test_torch_dist_save_and_resume_is_bitwise_exact(reference, tmp_path, offloa
     checkpoint_dir.mkdir()  # Megatron-LM's ensure_directory_exists; save() wants the directory to exist
 
     saving = build_gpt_training(GPTShape())
-    saving_handle = attach_offloader(saving.optimizer, offload_master_weights=offload_master_weights)
+    saving_handle = attach_offloader(saving.optimizer, offload_master_weights=offload_master_weights, fraction=1.0)
     assert [saving.train_step(iteration) for iteration in range(SAVE_AFTER)] == expected_results[:SAVE_AFTER]
     assert all(offloader.is_offloaded for offloader in saving_handle.offloaders)  # the save meets offloaded state
     allocated_before_save = torch.cuda.memory_allocated()
@@ -150,7 +150,7 @@ def test_torch_dist_save_and_resume_is_bitwise_exact(reference, tmp_path, offloa
     # state dict before the first step (DistributedOptimizer.state_dict asserts on the empty Adam state), and the
     # host copies now hold this run's own state, so a stale copy coming back after the load would show.
     resumed = build_gpt_training(GPTShape(), seed=4321)
-    handle = attach_offloader(resumed.optimizer, offload_master_weights=offload_master_weights)
+    handle = attach_offloader(resumed.optimizer, offload_master_weights=offload_master_weights, fraction=1.0)
     for iteration in (100, 101):
         resumed.train_step(iteration)
     assert all(offloader.is_offloaded for offloader in handle.offloaders)

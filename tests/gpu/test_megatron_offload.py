@@ -100,8 +100,13 @@ def test_bitwise_parity_with_a_skipped_step(
 ) -> None:
     expected_results, expected_state = reference
     training = build_gpt_training(GPTShape(), loss_scale=1.0)
+    # fraction=1: all of it moves every step (the default keeps this small state on the GPU, uncapped).
     handle = attach_offloader(
-        training.optimizer, prefetch=prefetch, offload_master_weights=offload_master_weights, chunk_mb=chunk_mb
+        training.optimizer,
+        prefetch=prefetch,
+        offload_master_weights=offload_master_weights,
+        chunk_mb=chunk_mb,
+        fraction=1.0,
     )
     # The masters leave at attach, before the first forward (nothing else exists yet).
     assert all(m.device.type == "cpu" for m in masters_of(training)) == offload_master_weights
@@ -144,7 +149,7 @@ def test_overlapped_grad_reduce_and_param_gather_keep_parity() -> None:
         training = build_gpt_training(
             GPTShape(), overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=500_000
         )
-        handle = attach_offloader(training.optimizer, chunk_mb=0.25) if attach else None
+        handle = attach_offloader(training.optimizer, chunk_mb=0.25, fraction=1.0) if attach else None
         results = train(training, 8)
         if handle is not None:
             handle.wait()
@@ -156,13 +161,33 @@ def test_overlapped_grad_reduce_and_param_gather_keep_parity() -> None:
     assert_bitwise_equal(expected_state, state)
 
 
-def test_auto_fits_wherever_step_fits_and_brings_state_back_during_backward() -> None:
+def test_the_default_uncapped_with_room_moves_nothing_and_keeps_parity(reference) -> None:
+    expected_results, expected_state = reference
+    training = build_gpt_training(GPTShape(), loss_scale=1.0)
+    handle = attach_offloader(training.optimizer, chunk_mb=0.25)  # --offload-optimizer-states alone
+    results = train(training, 3)
+    before = handle.read_stats()
+    assert handle.kept_bytes() == before.host_bytes  # everything fits: everything stays
+    for iteration in range(3, STEPS):
+        if iteration == SKIPPED_ITERATION:
+            force_skipped_step(training)
+        results.append(training.train_step(iteration))
+    after = handle.read_stats()
+    # From iteration 3 on nothing crosses the link: no byte out, back or streamed.
+    assert after.bytes_streamed == before.bytes_streamed and after.bytes_offloaded == before.bytes_offloaded
+    assert after.bytes_prefetched == before.bytes_prefetched and not any(o.is_offloaded for o in handle.offloaders)
+    assert results == expected_results
+    assert_bitwise_equal(expected_state, snapshot(training))
+    handle.detach()
+
+
+def test_the_default_fits_wherever_step_fits_and_never_exceeds_its_peak() -> None:
     # 8 layers of about 0.2 GiB of activations each against 0.3 GiB of state: backward frees far more.
     shape = GPTShape(num_layers=8, hidden_size=512, ffn_hidden_size=2048, seq_length=2048, micro_batch_size=4)
     total = torch.cuda.get_device_properties(0).total_memory
 
-    def run(prefetch: str, cap: int | None = None) -> tuple[int, object]:
-        """Peak reserved memory of iterations 3-4 (the whole process's: what the GPU has to hold)."""
+    def run(prefetch: str, cap: int | None = None) -> tuple[int, object, int]:
+        """Peak reserved memory of iterations 1-6 (the whole process's: what the GPU has to hold)."""
         gc.collect()  # the other run's model, if any, must be gone: its memory would count here
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -172,22 +197,24 @@ def test_auto_fits_wherever_step_fits_and_brings_state_back_during_backward() ->
             handle = attach_offloader(training.optimizer, prefetch=prefetch, chunk_mb=4)
             train(training, 2)
             streamed_before = handle.read_stats().bytes_streamed
-            train(training, 2)
+            train(training, 4)
             stats = handle.read_stats()
             stats.bytes_streamed -= streamed_before
+            kept = handle.kept_bytes()
             handle.detach()
-            return torch.cuda.max_memory_reserved(), stats
+            return torch.cuda.max_memory_reserved(), stats, kept
         finally:
             torch.cuda.set_per_process_memory_fraction(1.0)
 
-    step_peak, step_stats = run("step")
-    assert step_stats.bytes_streamed == 2 * step_stats.host_bytes
-    # Capped at what `step` needed, `auto` must still run: its copies back during backward may only use
-    # memory backward freed, and its copies out may only linger where the forward has room.
-    auto_peak, auto_stats = run("auto", cap=step_peak)
-    figures = f"peaks {auto_peak=} {step_peak=}, {auto_stats=}"
-    assert auto_stats.bytes_streamed < 0.5 * auto_stats.host_bytes, figures  # most came back during backward
+    step_peak, step_stats, step_kept = run("step")
+    assert step_kept == 0 and step_stats.bytes_streamed == 4 * step_stats.host_bytes
+    uncapped_peak, uncapped_stats, uncapped_kept = run("auto")
+    assert uncapped_kept == uncapped_stats.host_bytes and uncapped_stats.bytes_streamed == 0
+    # Capped at what `step` needed, the default keeps only what fits beside that peak and never passes it.
+    auto_peak, auto_stats, auto_kept = run("auto", cap=step_peak)
+    figures = f"peaks {auto_peak=} {step_peak=} {uncapped_peak=}, {auto_kept=}, {auto_stats=}"
     assert auto_peak <= step_peak, figures
+    assert auto_kept < auto_stats.host_bytes, figures
 
 
 def test_allocated_memory_drops_by_the_offloaded_bytes() -> None:
@@ -198,7 +225,7 @@ def test_allocated_memory_drops_by_the_offloaded_bytes() -> None:
         before = torch.cuda.memory_allocated()
         training = build_gpt_training(shape)
         # Small chunks: the streamed step's three staging chunks are then small beside this small state.
-        handle = attach_offloader(training.optimizer, chunk_mb=8) if attach else None
+        handle = attach_offloader(training.optimizer, chunk_mb=8, fraction=1.0) if attach else None
         torch.cuda.reset_peak_memory_stats()
         train(training, 1)
         return torch.cuda.max_memory_allocated() - before, training, handle
@@ -231,7 +258,7 @@ def test_allocated_memory_drops_by_the_offloaded_bytes() -> None:
 
 def test_many_cycles_leak_neither_gpu_nor_pinned_memory() -> None:
     training = build_gpt_training(GPTShape())
-    handle = attach_offloader(training.optimizer)
+    handle = attach_offloader(training.optimizer, fraction=1.0)
     train(training, 2)
     readings, rss = [], []
     for cycle in range(200):
@@ -249,7 +276,7 @@ def test_many_cycles_leak_neither_gpu_nor_pinned_memory() -> None:
 
 def test_exception_inside_step_leaves_state_whole_and_offloaded(monkeypatch: pytest.MonkeyPatch) -> None:
     training = build_gpt_training(GPTShape())
-    handle = attach_offloader(training.optimizer)
+    handle = attach_offloader(training.optimizer, fraction=1.0)
     train(training, 3)
     handle.wait()
     before = snapshot(training)

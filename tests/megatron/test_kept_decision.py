@@ -1,5 +1,6 @@
-"""How many bytes of optimizer state stay on the GPU: the handle decides it once, in bytes, and the
-offloaders keep what it decided (to within half a chunk each), on a CPU with CUDA's peaks stood in for."""
+"""How many bytes of optimizer state stay on the GPU: the scheduler decides it once, in bytes, when
+iteration 1's step has ended, whole chunks rounded down, and only lowers it after; the offloaders keep
+exactly what it decided. On a CPU with CUDA's peaks stood in for."""
 
 from __future__ import annotations
 
@@ -31,52 +32,88 @@ def offloaders() -> list[OptimizerStateOffloader]:
     return [offloader_of((37, 1000, 5, 300, 64, 700, 1)), offloader_of((500,) * 9)]
 
 
-def handle_with_room(monkeypatch: pytest.MonkeyPatch, offloaders: list, room: int, fraction) -> OffloadHandle:
-    """A handle on a stand-in GPU whose forward peaks at what leaves ``room`` bytes under the limit."""
-    handle = OffloadHandle(object(), OffloadConfig(fraction=fraction))
-    handle.on_cuda, handle.offloaders, handle.say = True, offloaders, lambda line: None
-    handle.scheduler = StateScheduler(lambda: LIMIT)
+def handle_with_room(
+    monkeypatch: pytest.MonkeyPatch, offloaders: list, room: int, fraction="auto", prefetch="auto"
+) -> OffloadHandle:
+    """A handle on a stand-in GPU whose iteration 1 peaked at what leaves ``room`` bytes under the limit."""
+    handle = OffloadHandle(object(), OffloadConfig(fraction=fraction, prefetch=prefetch))
+    handle.on_cuda, handle.offloaders, handle.say = True, offloaders, handle_lines.append
+    handle.decision.scheduler = StateScheduler(lambda: LIMIT)
     peak = LIMIT - handle.scheduler.margin(LIMIT) - room
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: peak)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: peak)
     return handle
 
 
+handle_lines: list[str] = []
+
+
+def iteration(handle: OffloadHandle) -> None:
+    """What the step wrapper calls around a step that succeeded (no CUDA: the peaks are stood in for)."""
+    handle._before_step()
+    handle._after_step(stepped=True)
+
+
 def kept_flags(offloaders: list[OptimizerStateOffloader]) -> list[list[bool]]:
     return [[chunk.kept for chunk in offloader.chunks] for offloader in offloaders]
 
 
-def test_auto_keeps_in_bytes_what_it_decided(monkeypatch: pytest.MonkeyPatch, offloaders: list) -> None:
+def test_the_default_keeps_whole_chunks_within_the_room(monkeypatch: pytest.MonkeyPatch, offloaders: list) -> None:
     state = sum(offloader.plan.full_bytes() for offloader in offloaders)
     for room in [0, 1, 2000, state // 3, state // 2 + 7, state - 1, state, 2 * state]:
-        handle = handle_with_room(monkeypatch, offloaders, room, "auto")
-        handle._before_step()
-        decided = handle.scheduler.kept_budget(state)
-        assert decided == min(room, state)
-        shares = [offloader.kept_goal for offloader in offloaders]
-        assert sum(shares) == decided  # the split loses no byte
-        for offloader, share in zip(offloaders, shares, strict=True):
-            half_chunk = max(max(c.nbytes, c.expected) for c in offloader.chunks) // 2
-            assert abs(offloader.kept_bytes - share) <= half_chunk
-            assert offloader.kept_bytes == offloader.plan.kept_bytes()
-        assert handle._chosen == handle.kept_bytes() == sum(offloader.kept_bytes for offloader in offloaders)
-        # What one shared fraction kept before: the same chunks.
-        chosen = kept_flags(offloaders)
         for offloader in offloaders:
-            offloader.set_fraction(1.0 - decided / state)
-        assert kept_flags(offloaders) == chosen, room
+            offloader.keep_bytes(0)
+        handle = handle_with_room(monkeypatch, offloaders, room)
+        iteration(handle)
+        decided = handle.scheduler.kept
+        assert decided == [offloader.kept_bytes for offloader in offloaders]
+        assert handle.kept_bytes() == sum(decided) <= min(room, state)  # rounded down, never over
+        biggest = max(size for offloader in offloaders for size in offloader.full_sizes())
+        assert min(room, state) - sum(decided) < len(offloaders) * biggest
+        for flags in kept_flags(offloaders):
+            assert flags == sorted(flags)  # whole chunks at the back
+    assert handle.kept_bytes() == state  # with room to spare, everything stays: nothing moves
+    assert handle_lines[-1].startswith("megatron-offload: keeps ")
+
+
+def test_the_decision_is_made_once_and_only_lowered(monkeypatch: pytest.MonkeyPatch, offloaders: list) -> None:
+    state = sum(offloader.plan.full_bytes() for offloader in offloaders)
+    handle = handle_with_room(monkeypatch, offloaders, state // 2)
+    iteration(handle)
+    first = handle.kept_bytes()
+    assert 0 < first <= state // 2
+    iteration(handle)  # the same peak again: nothing changes
+    assert handle.kept_bytes() == first
+    handle.evict(1)  # a forward ran short: the front of the kept run leaves, for good
+    lowered = handle.kept_bytes()
+    assert lowered < first and handle.scheduler.kept_total == lowered
+    iteration(handle)
+    assert handle.kept_bytes() == lowered
+    # The peak grows by more than what was resident: the decision shrinks.
+    grown = LIMIT - handle.scheduler.margin(LIMIT) - state // 2 + lowered + state // 4
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: grown)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: grown)
+    iteration(handle)
+    assert handle.kept_bytes() <= handle.scheduler.room() < lowered
+
+
+def test_step_keeps_nothing(monkeypatch: pytest.MonkeyPatch, offloaders: list) -> None:
+    state = sum(offloader.plan.full_bytes() for offloader in offloaders)
+    handle = handle_with_room(monkeypatch, offloaders, 2 * state, prefetch="step")
+    iteration(handle)
+    assert handle.kept_bytes() == 0 and not any(any(flags) for flags in kept_flags(offloaders))
 
 
 def test_a_fixed_fraction_keeps_its_share_in_bytes_or_is_refused(monkeypatch: pytest.MonkeyPatch, offloaders) -> None:
     state = sum(offloader.plan.full_bytes() for offloader in offloaders)
-    for offloader in offloaders:
-        offloader.set_fraction(0.4)
-    by_fraction = kept_flags(offloaders)
     handle = handle_with_room(monkeypatch, offloaders, state, 0.4)
-    handle._before_step()
-    assert kept_flags(offloaders) == by_fraction
-    assert handle._chosen == handle.kept_bytes() and abs(handle._chosen - 0.6 * state) < state / 4
-    refused = handle_with_room(monkeypatch, offloaders, handle._chosen - 1, 0.4)
+    iteration(handle)
+    kept = handle.kept_bytes()
+    assert kept <= 0.6 * state and abs(kept - 0.6 * state) < state / 4
+    for offloader in offloaders:
+        offloader.keep_bytes(0)
+    refused = handle_with_room(monkeypatch, offloaders, kept - 1, 0.4)
+    refused._before_step()
     with pytest.raises(OffloadFitError, match=r"^megatron-offload: --offload-fraction 0.4 keeps .* or more, or "):
-        refused._before_step()
-    assert refused.kept_bytes() == 0 and refused._chosen is None  # the state is whole in host memory
+        refused._after_step(stepped=True)
+    assert refused.kept_bytes() == 0 and refused.scheduler.kept is None  # the state is whole in host memory

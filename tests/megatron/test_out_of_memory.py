@@ -60,10 +60,12 @@ def test_everything_on_says_so() -> None:
 def test_the_launcher_prints_the_line_instead_of_a_traceback(tmp_path) -> None:
     """A script that runs out of memory through the launcher (no GPU needed: the error is raised as such)."""
     script = tmp_path / "pretrain_gpt.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import torch
         raise torch.OutOfMemoryError({ERROR!r})
-    """))
+    """)
+    )
     runner = textwrap.dedent(f"""
         import sys, torch
         import megatron_offload.run as run
@@ -76,3 +78,38 @@ def test_the_launcher_prints_the_line_instead_of_a_traceback(tmp_path) -> None:
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr
     assert "megatron-offload: out of GPU memory on this GPU: asked for 192.00 GiB with 3.00 GiB" in result.stderr
+
+
+def test_the_smallest_footprint_out_of_memory_says_what_training_needs_without_the_state(monkeypatch) -> None:
+    """The whole state in host memory and still out of memory: the measured numbers, the limit, and
+    --offload-weights, in one line."""
+    import torch
+
+    from megatron_offload import OptimizerStateOffloader
+    from megatron_offload.config.options import OffloadConfig
+    from megatron_offload.megatron import out_of_memory, training_hooks
+    from megatron_offload.megatron.optimizer_adapter import OffloadHandle
+    from megatron_offload.optimizer_state.scheduler import StateScheduler
+
+    masters = [torch.nn.Parameter(torch.randn(1000)) for _ in range(4)]
+    offloader = OptimizerStateOffloader(
+        torch.optim.AdamW(masters), masters, chunk_bytes=4096, pin_memory=False, check_host_memory=False
+    )
+    offloader.offload()
+    handle = OffloadHandle(object(), OffloadConfig(gpu_memory_cap_gib=16))
+    handle.offloaders, handle.decision.scheduler = [offloader], StateScheduler(lambda: 16 * GIB)
+    args = megatron(offload_optimizer_states=True, recompute_granularity="full", offload_gpu_memory_cap_gib=16.0)
+    monkeypatch.setattr(training_hooks, "attached_handles", lambda: [handle])
+    monkeypatch.setattr(training_hooks, "parsed_megatron_args", lambda: args)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: int(15.5 * GIB))
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.25 GiB. GPU 0 has a total capacity")
+    line = out_of_memory.line_for(error)
+    state = offloader.plan.full_bytes() / GIB
+    assert line == (
+        "megatron-offload: out of GPU memory under --offload-gpu-memory-cap-gib 16: even with all "
+        f"{state:.2f} GiB of optimizer state in host memory, training needs at least 16.75 GiB without it "
+        "(15.50 GiB reserved at the peak + 1.25 GiB asked) and the memory limit is 16.00 GiB. To move more off "
+        "the GPU, add: --offload-weights (with full recompute one layer at a time)"
+    )
+    offloader.keep_bytes(offloader.plan.full_bytes())  # state kept on the GPU: keeping less would help
+    assert handle.smallest_footprint_note(int(15.5 * GIB), GIB) is None

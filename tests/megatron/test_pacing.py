@@ -76,9 +76,10 @@ PROFILE = [2 * GIB, 4 * GIB, 6 * GIB, 7 * GIB]  # what the forward needs without
 
 
 def learn(hooks, ledger, allocated, model) -> None:
-    """Iteration 1: the profile, then the step's reading of the natural peak (8 GiB reserved)."""
+    """Iteration 1: the profile, then the reading of the natural peak at its step's end (8 GiB reserved)."""
     forward(model, allocated, PROFILE)
-    ledger.scheduler.observe_step_start(Peaks(8 * GIB, 8 * GIB), on_gpu_at_peak=0)
+    ledger.scheduler.start_step()
+    ledger.scheduler.observe_step_end(Peaks(8 * GIB, 8 * GIB), resident=0)
     hooks.new_iteration()
 
 

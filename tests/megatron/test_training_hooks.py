@@ -14,6 +14,7 @@ import torch
 
 from megatron_offload import run
 from megatron_offload.config.files import NO_CUDA, expand_config_argv
+from megatron_offload.config.weight_flags import WeightConfig
 from megatron_offload.core.units import GIB
 from megatron_offload.megatron import training_hooks as megatron_training
 from megatron_offload.megatron.training_run import RUN_ATTR, TrainingRun, current_run
@@ -136,9 +137,9 @@ def test_a_config_file_turns_megatron_switches_off_and_ignored_flags_are_named(
 ) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     config = tmp_path / "run.yaml"
-    config.write_text("use-distributed-optimizer: false\noffload-fraction: auto\n")
+    config.write_text("use-distributed-optimizer: false\noffload-fraction: 0.5\n")
     args = parse_and_validate(megatron, monkeypatch, *expand_config_argv(["--config", str(config)]))
-    assert args.use_distributed_optimizer is False and args.offload_fraction == "auto"
+    assert args.use_distributed_optimizer is False and args.offload_fraction == 0.5
     out = capsys.readouterr().out
     assert "megatron-offload: --offload-fraction has no effect without --offload-optimizer-states\n" in out
     assert MEGATRON_DUMP in out  # a working combination: Megatron's validation ran
@@ -373,3 +374,29 @@ def test_chunked_loss_on_a_megatron_core_without_output_processor_is_refused_in_
     (line,) = capsys.readouterr().err.splitlines()
     assert exit_.value.code == 2
     assert line == f"megatron-offload: {long_context_adapter.CHUNKED_LOSS_NEEDS}"
+
+
+def test_the_weight_step_mode_is_read_once_in_validation_and_passed_down(
+    megatron: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    parse_and_validate(megatron, monkeypatch, "--offload-weights-step", "megatron")
+    assert current_run().weights.config == WeightConfig(enabled=False, step="megatron")
+
+    handle, streamed = types.SimpleNamespace(say=None), []
+    monkeypatch.setattr(megatron_training, "attach_offloader", lambda optimizer, config: handle)
+    monkeypatch.setattr(megatron_training, "fix_torch_adam_checkpoints", lambda optimizer: None)
+    monkeypatch.setattr(current_run().weights, "stream_step", lambda *args: streamed.append(args))
+    # Megatron's args after validation no longer decide: the config read there does.
+    megatron.global_vars.get_args = lambda: argparse.Namespace(offload_optimizer_states=True, offload_weights=True)
+    megatron.training.get_megatron_optimizer(None, ["model"])
+    assert streamed == []  # the config says weights are not streamed
+    current_run().weights.config = WeightConfig(enabled=True)
+    megatron.training.get_megatron_optimizer(None, ["model"])
+    assert streamed == [(None, ["model"], handle)]
+
+
+def test_a_weight_config_refuses_an_unknown_step() -> None:
+    assert WeightConfig(enabled=True).streamed_step and not WeightConfig(enabled=True, step="megatron").streamed_step
+    with pytest.raises(ValueError, match="--offload-weights-step must be one of streamed, megatron"):
+        WeightConfig(step="fast")

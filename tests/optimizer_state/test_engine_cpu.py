@@ -48,7 +48,7 @@ def run_step(offloader: OptimizerStateOffloader, after_chunk=None) -> None:
 def in_host_slab(offloader: OptimizerStateOffloader, tensor: torch.Tensor) -> bool:
     """True when ``tensor`` now holds its host copy (on CPU the device and host are both memory, so
     where the data lives is the only difference there is)."""
-    return tensor.untyped_storage().data_ptr() == offloader._slab.tensor.untyped_storage().data_ptr()
+    return tensor.untyped_storage().data_ptr() == offloader.state.host_slab.tensor.untyped_storage().data_ptr()
 
 
 def entries(offloader: OptimizerStateOffloader) -> list:
@@ -65,8 +65,8 @@ def test_one_slab_sized_to_the_state() -> None:
     offloader = offloader_for(optimizer, masters)
     offloader.offload()
     expected = sum(3 * aligned(m.numel() * 4) for m in masters)  # master + two moments, each aligned
-    assert offloader._slab.nbytes == offloader.stats.host_bytes == offloader.stats.gpu_bytes_freed == expected
-    slab_start = offloader._slab.tensor.data_ptr()
+    assert offloader.state.host_slab.nbytes == offloader.stats.host_bytes == offloader.stats.gpu_bytes_freed == expected
+    slab_start = offloader.state.host_slab.tensor.data_ptr()
     spans = sorted((e.host.data_ptr() - slab_start, e.nbytes) for e in entries(offloader))
     for (start, size), (next_start, _) in zip(spans, spans[1:], strict=False):
         assert start % ALIGN == 0 and start + size <= next_start  # no two entries share host bytes
@@ -144,7 +144,7 @@ def test_every_call_order_is_safe() -> None:
     assert offloader.stats.prefetches == 1
     offloader.offload()  # a prefetch followed by a skipped step: straight back out
     offloader.restore()
-    assert not offloader.is_offloaded and offloader._slab is None
+    assert not offloader.is_offloaded and offloader.state.host_slab is None
     take_step(optimizer, 1)  # the optimizer still works after restore
 
 
@@ -154,13 +154,13 @@ def test_moments_created_at_the_first_step_join_the_plan() -> None:
     offloader.offload()  # before the first step: only the masters exist
     masters_only = offloader.stats.host_bytes
     assert masters_only == sum(aligned(m.numel() * 4) for m in masters)
-    slab = offloader._slab
+    slab = offloader.state.host_slab
     assert slab.nbytes == 3 * masters_only  # sized for the moments to come: pinned once
     offloader.wait()
     take_step(optimizer, 0)
     offloader.offload()
     assert offloader.stats.host_bytes == 3 * masters_only
-    assert offloader._slab is slab
+    assert offloader.state.host_slab is slab
     assert in_host_slab(offloader, optimizer.state[masters[0]]["exp_avg_sq"])
 
 
@@ -462,10 +462,10 @@ def test_adam_first_moments_join_their_chunks_without_a_new_plan() -> None:
         master.requires_grad_(False)  # as Megatron's masters: Adam steps them, their grads set by hand
     offloader = offloader_for(optimizer, masters, chunk_bytes=6000)
     offloader.offload()  # at attach: only the masters exist
-    chunks, slab = list(offloader.chunks), offloader._slab
+    chunks, slab = list(offloader.chunks), offloader.state.host_slab
     set_grads(optimizer, 0)
     run_step(offloader)  # Adam's first step creates the moments chunk by chunk
-    assert offloader.chunks == chunks and offloader._slab is slab  # same plan, same pinned slab
+    assert offloader.chunks == chunks and offloader.state.host_slab is slab  # same plan, same pinned slab
     assert all(in_host_slab(offloader, optimizer.state[p][key]) for p in masters for key in ("exp_avg", "exp_avg_sq"))
     assert offloader.stats.host_bytes == sum(3 * aligned(m.numel() * 4) for m in masters)
     assert all(len(chunk.entries) == 3 * len(chunk.params) for chunk in chunks)

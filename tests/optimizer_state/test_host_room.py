@@ -32,6 +32,6 @@ def test_a_host_that_runs_short_after_start_up_fails_before_moving_anything(monk
     monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 1000)  # the host ran short meanwhile
     with pytest.raises(HostMemoryError, match="only 0.00 GiB is available"):
         offloader.offload()
-    assert not offloader.is_offloaded and offloader._slab is None
+    assert not offloader.is_offloaded and offloader.state.host_slab is None
     assert all(torch.equal(m, b) for m, b in zip(masters, before, strict=True))  # untouched, still usable
     take_step(optimizer, 1)

@@ -1,5 +1,6 @@
 """What stays on the GPU, asked for in bytes (``keep_bytes``, the scheduler's unit) or as a fraction
-(``set_fraction``, the Python API's and ``--offload-fraction F``'s): the same chunks either way."""
+(``set_fraction``, ``--offload-fraction F``, made bytes): the longest run of whole chunks at the back that
+fits, rounded down, never over what was asked; an eviction lowers it for good."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from megatron_offload import OptimizerStateOffloader
-from megatron_offload.optimizer_state import plan as planning
+from megatron_offload.optimizer_state.planned_state import kept_from_bytes
 
 LAYOUTS = [  # (parameter sizes, chunk bytes)
     ((37, 1000, 5, 300, 64, 700, 1), 2000),
@@ -39,31 +40,59 @@ def kept_flags(offloader: OptimizerStateOffloader) -> list[bool]:
 
 @pytest.mark.parametrize("stepped", [False, True], ids=["before-adams-first-step", "after"])
 @pytest.mark.parametrize(("sizes", "chunk_bytes"), LAYOUTS)
-def test_keeping_bytes_selects_the_chunks_the_fraction_does(sizes, chunk_bytes: int, stepped: bool) -> None:
+def test_keeping_bytes_never_keeps_more_than_asked(sizes, chunk_bytes: int, stepped: bool) -> None:
     offloader = offloader_of(sizes, chunk_bytes, stepped)
     offloader.offload()
     total = offloader.plan.full_bytes()
+    smallest = min(offloader.full_sizes())
     assert len(offloader.chunks) > 1
     for fraction in FRACTIONS:
-        offloader.set_fraction(fraction)
-        by_fraction = kept_flags(offloader)
-        kept = offloader.keep_bytes(round((1 - fraction) * total))
-        assert kept_flags(offloader) == by_fraction, fraction
+        asked = int((1 - fraction) * total)
+        kept = offloader.keep_bytes(asked)
+        flags = kept_flags(offloader)
         assert kept == offloader.kept_bytes == offloader.plan.kept_bytes()
+        assert kept <= asked  # rounded down: never over what was decided
+        assert flags == sorted(flags)  # a run of whole chunks at the back
+        first = flags.index(True) if True in flags else len(flags)
+        assert first == 0 or kept + offloader.full_sizes()[first - 1] > asked  # the longest run that fits
+        assert asked - kept < max(offloader.full_sizes()) or kept == total
+        offloader.set_fraction(fraction)  # a fraction is the same bytes
+        assert kept_flags(offloader) == flags, fraction
         # A plan made later (a checkpoint load) keeps by the same bytes.
         later = offloader_of(sizes, chunk_bytes, stepped)
-        later.keep_bytes(round((1 - fraction) * total))
+        later.keep_bytes(asked)
         later.offload()
-        assert kept_flags(later) == by_fraction, fraction
+        assert kept_flags(later) == flags, fraction
+    assert offloader.keep_bytes(smallest - 1) == 0
 
 
-def test_kept_bytes_round_at_half_a_chunk() -> None:
+def test_kept_bytes_round_down_to_whole_chunks() -> None:
     sizes = [1024, 2048, 512]
-    assert planning.kept_from_bytes(sizes, 0) == 3
-    assert planning.kept_from_bytes(sizes, 256) == 3  # half the last chunk: not more than half of it asked
-    assert planning.kept_from_bytes(sizes, 257) == 2
-    assert planning.kept_from_bytes(sizes, 512 + 1024) == 2  # the middle one's half: offloaded
-    assert planning.kept_from_bytes(sizes, 512 + 1025) == 1
-    assert planning.kept_from_bytes(sizes, 3584) == 0
-    for kept in range(0, 3584 + 1, 128):
-        assert planning.kept_from_bytes(sizes, kept) == planning.kept_from(sizes, 1 - kept / 3584), kept
+    assert kept_from_bytes(sizes, 0) == 3
+    assert kept_from_bytes(sizes, 511) == 3  # not even the last chunk fits
+    assert kept_from_bytes(sizes, 512) == 2
+    assert kept_from_bytes(sizes, 512 + 2047) == 2
+    assert kept_from_bytes(sizes, 512 + 2048) == 1
+    assert kept_from_bytes(sizes, 3583) == 1
+    assert kept_from_bytes(sizes, 3584) == 0
+    assert kept_from_bytes(sizes, 10**9) == 0
+    for kept in range(0, 3584 + 1, 64):
+        assert sum(sizes[kept_from_bytes(sizes, kept) :]) <= kept
+
+
+def test_eviction_is_not_undone_by_a_fraction_or_a_later_plan() -> None:
+    offloader = offloader_of((500,) * 9, 3000, stepped=True)
+    offloader.offload()
+    offloader.keep_bytes(offloader.plan.full_bytes())
+    offloader.wait()
+    before = offloader.kept_bytes
+    offloader.evict(1)  # memory ran short: the front of the kept run leaves
+    after = offloader.kept_bytes
+    assert 0 < after < before and offloader.state.kept_goal == after
+    flags = kept_flags(offloader)
+    assert flags == sorted(flags)
+    offloader.state.replaced()  # a load: a new plan, the same goal
+    offloader.plan.key = ("replaced",)
+    offloader.offload()
+    assert offloader.chunks and all(chunk.entries for chunk in offloader.chunks)
+    assert offloader.kept_bytes == after

@@ -1,0 +1,216 @@
+"""The handle ``attach_offloader`` returns: the offloaders of a megatron-core optimizer, what the training
+loop's hooks call (pacing.Handle), the kept-bytes decision it composes (kept_decision.py), the wrapper
+around the optimizer's step, telemetry and ``detach()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from megatron_offload.config.options import OffloadConfig, PrefetchPolicy
+from megatron_offload.core.gpu_memory import memory_limit_bytes
+from megatron_offload.core.stats import OffloadStats, totals
+from megatron_offload.megatron.finalize_prefetch import PrefetchOnFinalize, wrap_finalize_functions
+from megatron_offload.megatron.kept_decision import KeptDecision
+from megatron_offload.megatron.optimizer_internals import _HANDLE_ATTR
+from megatron_offload.megatron.pacing import PrefetchDuringBackward, RoomForForward
+from megatron_offload.optimizer_state import streamed_step
+from megatron_offload.optimizer_state.offloader import OptimizerStateOffloader
+from megatron_offload.optimizer_state.scheduler import StateScheduler
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["OffloadHandle"]
+
+
+class OffloadHandle:
+    """What ``attach_offloader`` returns: the offloaders, their telemetry, and ``detach()``."""
+
+    def __init__(self, optimizer: Any, config: OffloadConfig) -> None:
+        self.optimizer = optimizer
+        self.config = config
+        self.offloaders: list[OptimizerStateOffloader] = []
+        self.streamed = True  # every DistributedOptimizer runs the streamed step (else: whole state back)
+        self.in_step = False  # True while optimizer.step() runs
+        self.on_cuda = torch.cuda.is_available()
+        device = torch.cuda.current_device() if self.on_cuda else None
+        self.say: Callable[[str], None] = logger.info  # the Megatron hooks print on the first rank instead
+        limit = lambda: memory_limit_bytes(device, config.gpu_memory_cap_bytes)  # noqa: E731
+        self.decision = KeptDecision(config, limit, lambda text: self.say(text))
+        self.hook_waits = 0
+        self.step_backlog_bytes = 0
+        self._pacer: PrefetchDuringBackward | None = None
+        self._room: RoomForForward | None = None
+        self._wrapped: list[tuple[Any, str, Any]] = []  # (object, attribute, what was there before)
+
+    @property
+    def scheduler(self) -> StateScheduler:
+        return self.decision.scheduler
+
+    # ------------------------------------------------------------- what the hooks call (pacing.Handle)
+    def pump(self) -> None:
+        """A point of the training loop: start and retire copies, never wait (engine.pump)."""
+        for offloader in self.offloaders:
+            if not offloader.copies.idle:
+                offloader.copies.pump()
+
+    def prefetch(self, max_bytes: int | None = None, landed_only: bool = False) -> int:
+        """Start bringing state back, up to ``max_bytes`` (default: all); returns the bytes started."""
+        started = 0
+        for offloader in self.offloaders:
+            room = None if max_bytes is None else max_bytes - started
+            if room is not None and room <= 0:
+                break
+            started += offloader.prefetch(room, landed_only=landed_only)
+        return started
+
+    def moves(self) -> bool:
+        """Some state leaves the GPU between steps (not all of it kept)."""
+        return any(not chunk.kept for offloader in self.offloaders for chunk in offloader.chunks)
+
+    def pending_offload_bytes(self) -> int:
+        """GPU bytes still held by offloads under way."""
+        return sum(offloader.leaving_bytes for offloader in self.offloaders)
+
+    def drain_offloads(self, nbytes: int | None = None) -> None:
+        """Block until offloads have freed ``nbytes`` of GPU memory (default: all), oldest first."""
+        for offloader in self.offloaders:
+            freed = offloader.copies.drain(nbytes)
+            if nbytes is not None:
+                nbytes -= freed
+                if nbytes <= 0:
+                    return
+
+    def kept_bytes(self) -> int:
+        """State kept on the GPU across steps."""
+        return self.decision.kept_bytes(self.offloaders)
+
+    def evict(self, nbytes: int) -> int:
+        """Offload kept state now (memory ran short in the forward); it stays offloaded: the decision
+        is lowered to what is still kept."""
+        started = 0
+        for offloader in self.offloaders:
+            if started < nbytes:
+                started += offloader.evict(nbytes - started)
+        self.decision.lowered(self.offloaders)
+        return started
+
+    def step_footprint(self) -> int:
+        return max((streamed_step.footprint(offloader) for offloader in self.offloaders), default=0)
+
+    def count_hook_wait(self) -> None:
+        self.hook_waits += 1
+
+    def _on_step_start(self) -> None:
+        if self._pacer is not None:
+            self._pacer.on_step_start()
+
+    # ------------------------------------------------------------------------------ the user's
+    def wait(self) -> None:
+        for offloader in self.offloaders:
+            offloader.wait()
+
+    def offload(self) -> None:
+        for offloader in self.offloaders:
+            offloader.offload()
+
+    # ------------------------------------------------------------------------------ scheduling
+    def _before_step(self) -> None:
+        if self.on_cuda:
+            self.decision.before_step()
+
+    def _after_step(self, stepped: bool) -> None:
+        """The state has left the step: the decision learns the peaks and decides what stays (KeptDecision),
+        then wait until no more is pending than the next forward has room for."""
+        if not self.on_cuda:
+            return
+        self.decision.after_step(self.offloaders, stepped, self._pacer.brought if self._pacer is not None else 0)
+        budget = self.scheduler.backlog_budget(self.kept_bytes())
+        self.step_backlog_bytes = self.pending_offload_bytes()
+        if self.step_backlog_bytes > budget:
+            # On the host: the next forward needs this memory, and only a landed copy frees it. Only
+            # under a limit too tight for copies to overlap the forward (uncapped, the budget is large).
+            self.drain_offloads(self.step_backlog_bytes - budget)
+
+    def smallest_footprint_note(self, peak_reserved: int, asked: int) -> str | None:
+        """What training needs without the state against the limit, where none was on the GPU when memory
+        ran out; else None (KeptDecision.smallest_footprint_note)."""
+        return self.decision.smallest_footprint_note(self.offloaders, peak_reserved, asked)
+
+    def read_stats(self) -> OffloadStats:
+        """Totals over every DistributedOptimizer on this rank (the peaks are the device's)."""
+        total = totals(offloader.read_stats() for offloader in self.offloaders)
+        total.hook_waits, total.step_backlog_bytes = self.hook_waits, self.step_backlog_bytes
+        return total
+
+    def detach(self) -> None:
+        """Bring all state back to the GPU and undo every wrapper. Safe to call twice."""
+        for obj, name, before in reversed(self._wrapped):
+            if name == "finalize_model_grads_func":
+                if isinstance(obj.finalize_model_grads_func, PrefetchOnFinalize):
+                    obj.finalize_model_grads_func = obj.finalize_model_grads_func.inner
+            elif before is None:
+                vars(obj).pop(name, None)
+            else:
+                setattr(obj, name, before)
+        self._wrapped.clear()
+        for hooks in (self._pacer, self._room):
+            if hooks is not None:
+                hooks.remove()
+        self._pacer = self._room = None
+        for offloader in self.offloaders:
+            offloader.restore()
+        self.offloaders.clear()
+        if getattr(self.optimizer, _HANDLE_ATTR, None) is self:
+            delattr(self.optimizer, _HANDLE_ATTR)
+
+    # ---------------------------------------------------------------------------------- wiring
+    def _wrap_method(self, obj: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        before = vars(obj).get(name)
+        setattr(obj, name, make(getattr(obj, name)))
+        self._wrapped.append((obj, name, before))
+
+    def _install_finalize_hooks(self) -> None:
+        """(Re)wrap each model config's finalize function (finalize_prefetch.py), after every step too."""
+        if self.config.prefetch is not PrefetchPolicy.FINALIZE:
+            return
+        for model_config in wrap_finalize_functions(self):
+            if not any(obj is model_config for obj, _, _ in self._wrapped):
+                self._wrapped.append((model_config, "finalize_model_grads_func", None))
+
+    def _step_wrapper(self, step: Callable[..., Any]) -> Callable[..., Any]:
+        def step_with_offload(*args: Any, **kwargs: Any) -> Any:
+            if self.in_step:
+                raise RuntimeError("megatron-offload: optimizer.step() called again from inside a step")
+            self.in_step, stepped = True, False
+            try:
+                self._before_step()
+                if not self.streamed:
+                    self.prefetch()  # the whole state, before megatron-core assigns the masters' grads
+                    result = step(*args, **kwargs)
+                else:
+                    with contextlib.ExitStack() as stack:
+                        for offloader in self.offloaders:
+                            stack.enter_context(offloader.params_on_device())
+                        result = step(*args, **kwargs)
+                stepped = True
+                return result
+            finally:
+                # Successful, skipped or failed: the state leaves in one piece, never half-way; its copies
+                # start at the next points of the loop, a few at a time.
+                for offloader in self.offloaders:
+                    offloader.offload(now=False)
+                    offloader.copies.pump()
+                self._after_step(stepped)
+                self._install_finalize_hooks()
+                for hooks in (self._pacer, self._room):
+                    if hooks is not None:
+                        hooks.new_iteration()
+                self.in_step = False
+
+        return step_with_offload
