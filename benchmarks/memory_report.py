@@ -226,7 +226,9 @@ def read_runs(
             continue
         if name in must_not_fit:
             summary.status = "out of memory" if _OUT_OF_MEMORY.search(text) else "failed"
-            summary.detail = last_error_line(text).split(". ")[0] if path.is_file() else summary.detail
+            said = [line for line in text.splitlines() if line.startswith("megatron-offload: out of GPU memory")]
+            detail = said[-1] if said else last_error_line(text)  # the launcher's one line, where it printed one
+            summary.detail = detail.split(". ")[0] if path.is_file() else summary.detail
         elif name not in required:
             summary.status = "not available"
             summary.detail = logs[name].error or last_error_line(text)

@@ -162,6 +162,20 @@ def test_a_capped_default_out_of_memory_fails_its_checks(tmp_path: Path, capsys:
     assert report["checks"][2]["measured"] == "failed"
 
 
+def test_the_launchers_one_line_names_why_no_offload_ran_out_of_memory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    line = (
+        "megatron-offload: out of GPU memory under --offload-gpu-memory-cap-gib 35.08: asked for 256.00 MiB with "
+        "34.90 GiB reserved at the peak. To move more off the GPU, add: --offload-optimizer-states"
+    )
+    folder = logs_dir(tmp_path, capped_no_offload=("[rank0]: torch.OutOfMemoryError: CUDA out of memory.", line))
+    code, out, report = verdict(folder, capsys)
+    summary = report["runs"]["capped-no-offload"]["summary"]
+    assert code == 0 and summary["status"] == "out of memory"
+    assert summary["detail"] == line.split(". ")[0]  # not torchrun's closing banner
+
+
 def test_a_step_run_that_stopped_early_exits_2_without_verdict(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

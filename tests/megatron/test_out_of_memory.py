@@ -87,6 +87,7 @@ def test_the_smallest_footprint_out_of_memory_says_what_training_needs_without_t
 
     from megatron_offload import OptimizerStateOffloader
     from megatron_offload.config.options import OffloadConfig
+    from megatron_offload.core import gpu_memory
     from megatron_offload.megatron import out_of_memory, training_hooks
     from megatron_offload.megatron.optimizer_adapter import OffloadHandle
     from megatron_offload.optimizer_state.scheduler import StateScheduler
@@ -102,6 +103,8 @@ def test_the_smallest_footprint_out_of_memory_says_what_training_needs_without_t
     monkeypatch.setattr(training_hooks, "attached_handles", lambda: [handle])
     monkeypatch.setattr(training_hooks, "parsed_megatron_args", lambda: args)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: int(15.5 * GIB))
+    # Host-mapped memory left by earlier GPU tests in this process is not GPU memory: none here.
+    monkeypatch.setattr(gpu_memory, "mapped_bytes", lambda: 0)
     error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.25 GiB. GPU 0 has a total capacity")
     line = out_of_memory.line_for(error)
     state = offloader.plan.full_bytes() / GIB
