@@ -157,6 +157,7 @@ class RoomForForward:
         self.calls = 0
         self.learning = True  # the first iteration: record the profile
         self.profile: list[int] = []  # highest natural reading up to each hook of the first iteration
+        self.peaks: list[int] = []  # the allocator's highest allocation so far at each hook (between hooks too)
         self.top = 0  # the first hook where the profile reached its highest reading
         self.waited = 0  # times a forward had the compute stream wait for copies out (for tests and the log)
 
@@ -174,6 +175,7 @@ class RoomForForward:
             pending = self.handle.pending_offload_bytes()
             natural = allocated_bytes() - pending - self.handle.kept_bytes()
             self.profile.append(max(natural, self.profile[-1] if self.profile else natural))
+            self.peaks.append(allocated_bytes(peak=True) - pending - self.handle.kept_bytes())
             if pending:  # nothing learned yet: let everything land first
                 self.handle.count_hook_wait()
                 self.handle.drain_offloads(None)
@@ -196,9 +198,10 @@ class RoomForForward:
 
     def _ahead(self, index: int) -> int:
         """What the forward adds from hook ``index`` to ``LOOKAHEAD`` hooks on, by the first forward's
-        profile; from its top on, up to the natural peak (the backward's, the step's)."""
+        profile, with what a module allocates and frees between two hooks (the allocator's peak then); from
+        the profile's top on, up to the natural peak (the backward's, the step's)."""
         if index < self.top:
-            return self.profile[min(index + LOOKAHEAD, self.top)] - self.profile[index]
+            return max(0, self.peaks[min(index + LOOKAHEAD, self.top)] - self.profile[index])
         natural = self.handle.scheduler.natural
         return max(0, (natural.allocated if natural is not None else self.profile[-1]) - self.profile[index])
 
@@ -225,10 +228,10 @@ def sampled(items: list) -> list:
     return items[:: max(1, len(items) // SAMPLES)]
 
 
-def allocated_bytes() -> int:
-    """``torch.cuda.memory_allocated()`` without flattening every allocator statistic into a new dict
-    on each call, which the hooks would pay many times per iteration."""
+def allocated_bytes(peak: bool = False) -> int:
+    """``torch.cuda.memory_allocated()`` (``peak``: ``max_memory_allocated()``) without flattening every
+    allocator statistic into a new dict on each call, which the hooks would pay many times per iteration."""
     stats = getattr(torch._C, "_cuda_memoryStats", None)
     if stats is None:
-        return torch.cuda.memory_allocated()
-    return stats(torch.cuda.current_device())["allocated_bytes"]["all"]["current"]
+        return torch.cuda.max_memory_allocated() if peak else torch.cuda.memory_allocated()
+    return stats(torch.cuda.current_device())["allocated_bytes"]["all"]["peak" if peak else "current"]
