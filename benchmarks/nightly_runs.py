@@ -106,9 +106,12 @@ def environment() -> dict[str, str | None]:
         except (OSError, subprocess.CalledProcessError):
             return None
 
-    commit = output(["git", "rev-parse", "HEAD"]) or os.environ.get("MEGATRON_OFFLOAD_COMMIT")
-    if commit and output(["git", "status", "--porcelain", "--untracked-files=no"]):
-        commit += " (with uncommitted changes)"
+    # The device machine's copy of the tree may carry a .git of another commit: the one passed in wins.
+    commit = os.environ.get("MEGATRON_OFFLOAD_COMMIT")
+    if not commit:
+        commit = output(["git", "rev-parse", "HEAD"])
+        if commit and output(["git", "status", "--porcelain", "--untracked-files=no"]):
+            commit += " (with uncommitted changes)"
     names = (output(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]) or "").splitlines()
     device = f"{len(names)} x {names[0]}" if len(set(names)) == 1 and len(names) > 1 else ", ".join(names)
     return {"torch": version("torch"), "megatron_core": version("megatron-core"), "commit": commit, "device": device}

@@ -426,3 +426,12 @@ def test_plots_from_logs_and_snapshots(tmp_path: Path, capsys: pytest.CaptureFix
         assert (folder / name).read_bytes().startswith(b"\x89PNG")
     assert any("leaves out step: no step.snapshot.pickle" in note for note in report["notes"])
     assert not any("leaves out baseline" in note for note in report["notes"])
+
+
+def test_the_commit_passed_in_names_the_runs_over_whatever_git_the_tree_carries(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("MEGATRON_OFFLOAD_COMMIT", "abc1234")
+    assert nightly_runs.environment()["commit"] == "abc1234"
+    monkeypatch.delenv("MEGATRON_OFFLOAD_COMMIT")
+    assert nightly_runs.environment()["commit"] != "abc1234"

@@ -4,23 +4,33 @@ overlaps the gradient reduction, by wrapping each model config's ``finalize_mode
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from megatron_offload.megatron.optimizer_internals import distributed_optimizers
 
-if TYPE_CHECKING:
-    from megatron_offload.megatron.offload_handle import OffloadHandle
-
 __all__ = ["PrefetchOnFinalize", "wrap_finalize_functions"]
+
+
+class Handle(Protocol):
+    """What the wrapper needs of an OffloadHandle (which imports this module)."""
+
+    optimizer: Any
+    offloaders: list
+    on_cuda: bool
+
+    @property
+    def scheduler(self) -> Any: ...
+    def step_footprint(self) -> int: ...
+    def prefetch(self, max_bytes: int | None = None, landed_only: bool = False) -> int: ...
 
 
 class PrefetchOnFinalize:
     """Wraps a TransformerConfig's ``finalize_model_grads_func``: starts the copy back, then finalizes,
     so the copy overlaps the gradient reduction. Keeps whatever function was there."""
 
-    def __init__(self, inner: Callable[..., Any], handle: OffloadHandle) -> None:
+    def __init__(self, inner: Callable[..., Any], handle: Handle) -> None:
         self.inner = inner
         self.handle = handle
 
@@ -37,7 +47,7 @@ class PrefetchOnFinalize:
         return self.inner(*args, **kwargs)
 
 
-def wrap_finalize_functions(handle: OffloadHandle) -> list[Any]:
+def wrap_finalize_functions(handle: Handle) -> list[Any]:
     """(Re)wrap each model config's finalize function of ``handle``'s optimizer; returns the configs wrapped
     now. Training loops often set it after the optimizer is built, so this runs again after every step;
     it never wraps twice."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from megatron_offload.core.gpu_memory import gpu_only
 from megatron_offload.core.units import GIB, MIB
 
 __all__ = ["Peaks", "StateScheduler", "whole_chunks"]
@@ -153,22 +154,25 @@ class StateScheduler:
 
     # ------------------------------------------------------------------------------- telling
     def explain(self, state_bytes: int) -> str:
-        """One line for the log: what stays on the GPU and why."""
+        """One line for the log: what stays on the GPU and why, in GPU memory alone (the device-mapped host
+        memory the allocator counts in the limit and the peak is left out of both)."""
         limit, kept = self.limit(), self.kept_total
-        natural = self.natural.reserved if self.natural else 0
+        natural = gpu_only(self.natural.reserved) if self.natural else 0
         grown = f" (grew by {self.grown / GIB:.2f} GiB since iteration 1)" if self.grown else ""
         return (
             f"megatron-offload: keeps {kept / GIB:.2f} of {state_bytes / GIB:.2f} GiB of optimizer state on the "
-            f"GPU and moves {(state_bytes - kept) / GIB:.2f} GiB: memory limit {limit / GIB:.2f} GiB, peak "
+            f"GPU and moves {(state_bytes - kept) / GIB:.2f} GiB: memory limit {gpu_only(limit) / GIB:.2f} GiB, peak "
             f"without state {natural / GIB:.2f} GiB reserved{grown}, margin {self.margin(limit) / GIB:.2f} GiB"
         )
 
     def too_small(self, peak_reserved: int, asked: int, state_bytes: int) -> str:
         """The numbers of a run out of memory with the whole state in host memory (the smallest footprint
-        did not fit): what training needs without the state, at least, and the limit."""
-        needs = max(peak_reserved + asked, self.natural.reserved if self.natural else 0)
+        did not fit): what training needs without the state, at least, and the limit. In GPU memory alone, as
+        ``peak_reserved`` is: the device-mapped host memory the allocator counts too is left out."""
+        natural = gpu_only(self.natural.reserved) if self.natural else 0
+        needs = max(peak_reserved + asked, natural)
         return (
             f"even with all {state_bytes / GIB:.2f} GiB of optimizer state in host memory, training needs at least "
             f"{needs / GIB:.2f} GiB without it ({peak_reserved / GIB:.2f} GiB reserved at the peak + "
-            f"{asked / GIB:.2f} GiB asked) and the memory limit is {self.limit() / GIB:.2f} GiB"
+            f"{asked / GIB:.2f} GiB asked) and the memory limit is {gpu_only(self.limit()) / GIB:.2f} GiB"
         )

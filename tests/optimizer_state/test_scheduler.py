@@ -158,3 +158,20 @@ def test_a_limit_below_the_smallest_footprint_is_one_line_with_the_numbers() -> 
         "even with all 8.18 GiB of optimizer state in host memory, training needs at least 16.50 GiB without it "
         "(15.50 GiB reserved at the peak + 1.00 GiB asked) and the memory limit is 16.00 GiB"
     )
+
+
+def test_the_line_counts_gpu_memory_alone_where_weights_live_in_device_mapped_host_memory(monkeypatch) -> None:
+    """The allocator counts device-mapped host memory (streamed weights) as reserved, and the limit it
+    enforces is the cap plus that memory: the line gives the cap and the GPU's own bytes."""
+    from megatron_offload.core import gpu_memory
+
+    mapped = 45 * GIB
+    monkeypatch.setattr(gpu_memory, "mapped_bytes", lambda: mapped)
+    ledger = StateScheduler(lambda: 24 * GIB + mapped)  # what memory_limit_bytes gives under a 24 GiB cap
+    ledger.start_step()
+    line = ledger.too_small(peak_reserved=int(6.25 * GIB), asked=192 * GIB, state_bytes=31 * GIB)
+    assert line.endswith("training needs at least 198.25 GiB without it (6.25 GiB reserved at the peak + "
+                         "192.00 GiB asked) and the memory limit is 24.00 GiB")
+    ledger.observe_step_end(Peaks(allocated=mapped + 14 * GIB, reserved=mapped + 16 * GIB), resident=0)
+    ledger.decide([[GIB] * 31])
+    assert "memory limit 24.00 GiB, peak without state 16.00 GiB reserved" in ledger.explain(31 * GIB)
