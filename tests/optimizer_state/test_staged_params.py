@@ -52,6 +52,16 @@ class Log(HostStreams):
         self.calls.append(("keep", direction, tensor.data_ptr()))
 
 
+def staged_step(offloader, stepper: ChunkStepper, stage: StagedParams) -> None:
+    """One streamed step with the stage, as the offload handle runs it; every copy landed after."""
+    with offloader.params_on_device():
+        try:
+            streamed_step.run(offloader, stepper, stage=stage)
+        finally:
+            stage.end_step()
+            offloader.copies.drain()
+
+
 def clip_by(coefficient: float):
     def clip(params) -> None:
         for param in params:
@@ -78,12 +88,7 @@ def test_the_staged_step_is_the_plain_step_bitwise(fraction: float, clipped: boo
         homes = [(p.data.data_ptr(), p.grad, p.grad.clone()) for p in masters]
         if clipped:
             stage.defer_clip(clip_by(0.25))
-        with offloader.params_on_device():
-            try:
-                streamed_step.run(offloader, stepper, stage=stage)
-            finally:
-                stage.end_step()
-                offloader.copies.drain()
+        staged_step(offloader, stepper, stage)
         for param, (data, grad, unclipped) in zip(masters, homes, strict=True):
             assert param.data_ptr() == data and param.grad is grad, "a param does not point at its host copy again"
             assert torch.equal(grad, unclipped), "the host gradient was written"
@@ -179,12 +184,7 @@ def test_the_footprint_counts_the_stage_buffers(fraction: float) -> None:
     stage, stepper = Watching(HostStreams()), ChunkStepper(offloaded)
     for step in range(3):
         set_grads(offloaded, step)
-        with offloader.params_on_device():
-            try:
-                streamed_step.run(offloader, stepper, stage=stage)
-            finally:
-                stage.end_step()
-                offloader.copies.drain()
+        staged_step(offloader, stepper, stage)
     assert seen and max(seen) <= streamed_step.staged_footprint(offloader)
     assert staged - streamed_step.staged_footprint(offloader) <= plain
 

@@ -9,51 +9,20 @@ import torch
 
 from megatron_offload.core.streams import HostStreams
 from megatron_offload.weights.grad_norms import SlotNorms, grad_key
-from megatron_offload.weights.plan import Placed, Run, Unit, runs_of
 from megatron_offload.weights.streamer import WeightStreamer
-from tests.weights.test_streamer import Model, batches
+from tests.weights.test_streamer import Model, batches, to_flat_buffers, unit_of
 
 ALIGN = 16  # elements: params start 64 bytes apart, as megatron-core starts them 64 elements apart
 
 
-def aligned_buffers(model: Model) -> tuple[torch.Tensor, dict]:
-    """Flat host buffers with every param starting on an ALIGN-element boundary; returns the gradients."""
-    params = list(model.parameters())
-    spans, cursor = {}, 0
-    for param in params:
-        spans[param] = (cursor, cursor + param.numel())
-        cursor += -(-(param.numel() + 1) // ALIGN) * ALIGN
-    weights, grads = torch.zeros(cursor), torch.zeros(cursor)
-    for param in params:
-        start, end = spans[param]
-        weights[start:end].copy_(param.data.flatten())
-        param.data = weights[start:end].view(param.shape)
-        param.main_grad = grads[start:end].view(param.shape)
-        accumulate = param.expand_as(param).grad_fn.next_functions[0][0]
-
-        def hook(*_: object, param: torch.nn.Parameter = param) -> None:
-            param.main_grad.add_(param.grad)
-            param.grad = None
-
-        accumulate.register_hook(hook)
-        param._keep = accumulate
-    return weights, grads, spans
-
-
-def unit_of(name: str, index: int, params: list, weights, grads, spans, resident: bool = False) -> Unit:
-    runs, placed, start = [], [], 0
-    for lo, hi in runs_of([spans[p] for p in params], max_gap=ALIGN):
-        runs.append(Run(weights[lo:hi], grads[lo:hi], start))
-        placed += [Placed(p, start + spans[p][0] - lo, p.data, p.main_grad) for p in params if lo <= spans[p][0] < hi]
-        start += hi - lo
-    return Unit(name, index, placed, runs, resident=resident, weights_dtype=weights.dtype, grads_dtype=grads.dtype)
-
-
 def streamed(model: Model, last_microbatch=lambda: True) -> tuple[WeightStreamer, torch.Tensor, SlotNorms]:
-    weights, grads, spans = aligned_buffers(model)
-    layers = [unit_of(f"block{i}", i, list(b.parameters()), weights, grads, spans) for i, b in enumerate(model.blocks)]
+    weights, grads, spans = to_flat_buffers(model, align=ALIGN)
+    layers = [
+        unit_of(f"block{i}", i, list(b.parameters()), weights, grads, spans, max_gap=ALIGN)
+        for i, b in enumerate(model.blocks)
+    ]
     rest = list(model.embedding.parameters()) + list(model.head.parameters())
-    resident = unit_of("resident", -1, rest, weights, grads, spans, resident=True)
+    resident = unit_of("resident", -1, rest, weights, grads, spans, resident=True, max_gap=ALIGN)
     norms = SlotNorms()
     for unit in [*layers, resident]:
         for placed in unit.placed:

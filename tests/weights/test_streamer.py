@@ -44,14 +44,15 @@ class Model(torch.nn.Module):
         return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), tokens.flatten())
 
 
-def to_flat_buffers(model: Model) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def to_flat_buffers(model: Model, align: int | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Every param becomes a view of one weight buffer, with a main_grad view of one gradient buffer
-    (the blocks padded apart, as megatron-core aligns params), accumulated by an AccumulateGrad hook."""
+    (the blocks padded apart, as megatron-core aligns params; ``align``: each starting on a multiple of that
+    many elements), accumulated by an AccumulateGrad hook."""
     params = list(model.parameters())
     spans, cursor = {}, 0
     for param in params:
         spans[param] = (cursor, cursor + param.numel())
-        cursor += param.numel() + 3  # padding between params
+        cursor += param.numel() + 3 if align is None else -(-(param.numel() + 1) // align) * align
     weights, grads = torch.zeros(cursor), torch.zeros(cursor)
     for param in params:
         start, end = spans[param]
@@ -69,8 +70,10 @@ def to_flat_buffers(model: Model) -> tuple[torch.Tensor, torch.Tensor, dict]:
     return weights, grads, spans
 
 
-def unit_of(name: str, index: int, params: list, weights, grads, spans, resident: bool = False) -> Unit:
-    ranges = runs_of([spans[p] for p in params], max_gap=8)
+def unit_of(
+    name: str, index: int, params: list, weights, grads, spans, resident: bool = False, max_gap: int = 8
+) -> Unit:
+    ranges = runs_of([spans[p] for p in params], max_gap=max_gap)
     runs, placed, start = [], [], 0
     for lo, hi in ranges:
         runs.append(Run(weights[lo:hi], grads[lo:hi], start))
