@@ -8,22 +8,19 @@ from typing import Any, Protocol
 
 import torch
 
+from megatron_offload.megatron import pacing
 from megatron_offload.megatron.optimizer_internals import distributed_optimizers
 
 __all__ = ["PrefetchOnFinalize", "wrap_finalize_functions"]
 
 
-class Handle(Protocol):
-    """What the wrapper needs of an OffloadHandle (which imports this module)."""
+class Handle(pacing.Handle, Protocol):
+    """What the wrapper needs of an OffloadHandle (which imports this module): the hooks' handle, and the
+    optimizer and offloaders it wraps."""
 
     optimizer: Any
     offloaders: list
     on_cuda: bool
-
-    @property
-    def scheduler(self) -> Any: ...
-    def step_footprint(self) -> int: ...
-    def prefetch(self, max_bytes: int | None = None, landed_only: bool = False) -> int: ...
 
 
 class PrefetchOnFinalize:
