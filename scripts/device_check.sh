@@ -24,7 +24,9 @@
 #            nightly      (not in the default) scripts/nightly_memory.sh without the CPU-offload reference row
 #            weights      (not in the default) benchmarks/weight_streaming.py: configs/gpt_1b.yaml at micro-batch 8
 #                         beside no offload, log intervals 1 and 5 (~7 min), and configs/gpt_4b.yaml under a
-#                         20 GiB cap (~4 min): run as two calls, WEIGHTS_PART=speed or fit
+#                         20 GiB cap (~4 min): run as two calls, WEIGHTS_PART=speed or fit; or WEIGHTS_PART=16k:
+#                         configs/gpt_1b.yaml at 16,384 tokens, 8 micro-batches, the SDPA spec and --chunked-loss in
+#                         both rows, log intervals 1 and 5, 10 iterations (~6 min)
 #          GPUS=1|2 (default: as many GPUs as there are, at most 2); BENCH_STEPS (6)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -95,6 +97,10 @@ if wants weights; then  # not in the default PARTS: ~7 min (speed) or ~4 min (fi
   case ${WEIGHTS_PART:-speed} in
     speed) weights_args=(--config configs/gpt_1b.yaml --extra "--micro-batch-size 8 --global-batch-size 64" --train-iters 10 --log-intervals 1 5) ;;
     fit) weights_args=(--config configs/gpt_4b.yaml --train-iters 20 --log-intervals --fit 20) ;;
+    16k) weights_args=(--config configs/gpt_1b.yaml --train-iters 10 --log-intervals 1 5 --extra "--spec \
+      megatron_offload.megatron.sdpa_spec gpt_layer_spec --seq-length 16384 --max-position-embeddings 16384 \
+      --position-embedding-type rope --no-rope-fusion --no-create-attention-mask-in-dataloader --micro-batch-size 1 \
+      --global-batch-size 8 --chunked-loss") ;;
   esac
   echo "=== weight streaming (${WEIGHTS_PART:-speed})"
   python3 -m benchmarks.weight_streaming --megatron-lm "${MEGATRON_LM:-.megatron-lm}" "${weights_args[@]}" \

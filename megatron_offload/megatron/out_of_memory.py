@@ -1,7 +1,8 @@
 """One line for a run that ran out of GPU memory: what it asked for, what it held, the cap, and what moves
 more off the GPU, from the flags it ran with (Megatron's parsed arguments), instead of a bare CUDA
 out-of-memory traceback. Where the whole optimizer state was in host memory already (the smallest
-footprint did not fit), the line says what training needs without it, as measured, against the limit."""
+footprint did not fit), the line says what training needs without it, as measured, against the limit; where
+the offloaders kept some of it on the GPU, it names the smallest footprint (``--offload-prefetch step``) first."""
 
 from __future__ import annotations
 
@@ -25,11 +26,14 @@ def asked_bytes(error: BaseException) -> int:
     return int(float(asked.group(1)) * _UNITS[asked.group(2)]) if asked else 0
 
 
-def what_to_add(args: argparse.Namespace) -> list[str]:
-    """The flags that would take more off the GPU, the largest saving first, for a run with ``args``."""
+def what_to_add(args: argparse.Namespace, kept_gib: float = 0.0) -> list[str]:
+    """The flags that would take more off the GPU, the largest saving first, for a run with ``args``;
+    ``kept_gib``: optimizer state the offloaders kept on the GPU when memory ran out."""
     long = (getattr(args, "seq_length", 0) or 0) * (getattr(args, "micro_batch_size", 1) or 1) >= LONG
     full = getattr(args, "recompute_granularity", None) == "full"
     advice = []
+    if kept_gib > 0 and getattr(args, "offload_prefetch", None) != "step":
+        advice.append(f"--offload-prefetch step ({kept_gib:.2f} GiB of optimizer state was kept on the GPU)")
     if long and not uses_sdpa_spec(args) and getattr(args, "transformer_impl", "local") == "local":
         advice.append(f"--spec {' '.join(SDPA_SPEC)} (attention without [s, s] scores)")
     if not on(args, "offload_optimizer_states"):
@@ -48,17 +52,23 @@ def what_to_add(args: argparse.Namespace) -> list[str]:
 
 
 def out_of_memory_line(
-    error: BaseException, args: argparse.Namespace | None, peak_reserved: int, gib: int, state_note: str | None = None
+    error: BaseException,
+    args: argparse.Namespace | None,
+    peak_reserved: int,
+    gib: int,
+    state_note: str | None = None,
+    kept_bytes: int = 0,
 ) -> str:
     """The line to print for ``error`` (a ``torch.OutOfMemoryError``); ``peak_reserved`` in bytes;
-    ``state_note``: the scheduler's numbers where the whole optimizer state was in host memory already."""
+    ``state_note``: the scheduler's numbers where the whole optimizer state was in host memory already;
+    ``kept_bytes``: optimizer state kept on the GPU then."""
     asked = _ASKED.search(str(error))
     cap = getattr(args, "offload_gpu_memory_cap_gib", None) if args is not None else None
     held = f"{peak_reserved / gib:.2f} GiB reserved at the peak"
     where = f"under --offload-gpu-memory-cap-gib {cap:g}" if cap else "on this GPU"
     asked_text = f"{asked.group(1)} {asked.group(2)}iB" if asked else "more"
     line = f"megatron-offload: out of GPU memory {where}: " + (state_note or f"asked for {asked_text} with {held}")
-    advice = what_to_add(args) if args is not None else []
+    advice = what_to_add(args, kept_bytes / gib) if args is not None else []
     if advice:
         return f"{line}. To move more off the GPU, add: {'; '.join(advice)}"
     return f"{line}. Every offload this run can use is on: raise the cap or use a larger GPU"
@@ -74,6 +84,8 @@ def line_for(error: BaseException) -> str:
     from megatron_offload.megatron.training_hooks import attached_handles, parsed_megatron_args
 
     peak = gpu_only(torch.cuda.max_memory_reserved())
-    notes = [handle.smallest_footprint_note(peak, asked_bytes(error)) for handle in attached_handles()]
+    handles = attached_handles()
+    notes = [handle.smallest_footprint_note(peak, asked_bytes(error)) for handle in handles]
     note = notes[0] if notes and all(notes) else None
-    return out_of_memory_line(error, parsed_megatron_args(), peak, GIB, note)
+    kept = sum(handle.kept_bytes() for handle in handles)
+    return out_of_memory_line(error, parsed_megatron_args(), peak, GIB, note, kept)

@@ -297,6 +297,9 @@ def install_training_hooks() -> None:
 
     def print_rank_last_with_offload(message: Any) -> None:
         iteration_line = isinstance(message, str) and " iteration " in message and "consumed samples" in message
+        if iteration_line:  # the figures per iteration: a line covers --log-interval iterations, or since a resume
+            start = int(getattr(global_vars.get_args(), "iteration", 0) or 0)
+            steps = run.iterations_since_last_line(message, start)
         if run.offloads and iteration_line:
             for handle in run.offloads:
                 current = handle.read_stats()
@@ -308,10 +311,9 @@ def install_training_hooks() -> None:
                     gpu_only(current.peak_reserved_bytes),
                 )
                 message += format_offload_fields(current, before, memory)
-                message += run.weights.log_fields(current.offloads - before.offloads)
+                message += run.weights.log_fields(steps)
                 run.logged[id(handle)] = dataclasses.replace(current)
         if run.long_context and iteration_line:
-            steps = int(getattr(global_vars.get_args(), "log_interval", 1) or 1)
             for handle in run.long_context:
                 before = run.logged.get(id(handle))
                 fields, run.logged[id(handle)] = layer_input_log_fields(handle, before, steps)

@@ -8,6 +8,7 @@ fresh ``megatron.training`` (as tests stand one in) starts with neither.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,8 @@ from megatron_offload.megatron.optimizer_adapter import OffloadHandle
 from megatron_offload.megatron.weights_training import StreamedWeights
 
 __all__ = ["RUN_ATTR", "TrainingRun", "current_run"]
+
+_ITERATION = re.compile(r" iteration\s+(\d+)\s*/")
 
 RUN_ATTR = "_megatron_offload_run"
 """The attribute of ``megatron.training.training`` that holds the run once the hooks are installed."""
@@ -40,6 +43,20 @@ class TrainingRun:
     gpu_memory_cap_bytes: int | None = None
     """The cap argument validation applied to this process (``--offload-gpu-memory-cap-gib``), which the
     weights' build lifts and sets again; None: none was."""
+    logged_iteration: int | None = None
+    """The iteration Megatron's last log line named; None before the first line."""
+
+    def iterations_since_last_line(self, message: str, start: int) -> int:
+        """How many iterations Megatron's log line ``message`` covers: since the iteration of the line before,
+        or since ``start`` (the iteration training started from: 0, or the checkpoint's) for the first line.
+        At least 1; 1 where the line names no iteration."""
+        found = _ITERATION.search(message)
+        if found is None:
+            return 1
+        iteration = int(found.group(1))
+        before = start if self.logged_iteration is None else self.logged_iteration
+        self.logged_iteration = iteration
+        return max(iteration - before, 1)
 
 
 def current_run() -> TrainingRun | None:

@@ -6,8 +6,9 @@ copies out are left for the loop's next points. The others stream through ``STAG
 NOTE: a streamed chunk's copy out starts within the step (its buffer is needed again).
 NOTE: with a ``stage`` (params whose values and gradients live in device-mapped host memory), each
 group's params and gradients come to the GPU ahead of its update (the stage is told the order first),
-and ready chunks are updated in groups of about one chunk (each group's GPU copies are that large); a
-whole step updates them where they are.
+and ready chunks are updated in groups of about one chunk (each group's GPU copies are that large), also
+when the whole state is kept on the GPU; only the fallback whole step (after a load replaced tensors)
+updates them where they are.
 """
 
 from __future__ import annotations
@@ -118,8 +119,11 @@ def run(
             off.offload(now=False)  # a new plan for the state as it is now, then out
         return
     chunks = off.chunks
-    if all(chunk.kept and chunk.on_gpu and chunk.copy is None and chunk.ready is None for chunk in chunks):
-        # Nothing moves (all of it kept and here): the optimizer's own step, as without offloading.
+    here = all(chunk.kept and chunk.on_gpu and chunk.copy is None and chunk.ready is None for chunk in chunks)
+    if here and stage is None:
+        # Nothing moves (all of it kept and here): the optimizer's own step, as without offloading. With a
+        # stage the groups below still run: its params and gradients lie in host memory, where the
+        # optimizer's own step would cross the link in each of its passes.
         _whole_step(stepper, planning.all_params(off.optimizer), after_chunk, stage)
         for chunk in chunks:
             chunk.touched = True

@@ -57,6 +57,23 @@ def test_everything_on_says_so() -> None:
     assert "Every offload this run can use is on" in out_of_memory_line(RuntimeError("x"), args, 0, GIB)
 
 
+def test_state_kept_on_the_gpu_is_told_the_smallest_footprint_first() -> None:
+    args = megatron(
+        seq_length=4096,
+        offload_optimizer_states=True,
+        offload_weights=True,
+        recompute_granularity="full",
+        offload_gpu_memory_cap_gib=16.0,
+        offload_prefetch="auto",
+    )
+    line = out_of_memory_line(RuntimeError(ERROR), args, int(15.97 * GIB), GIB, kept_bytes=int(8.06 * GIB))
+    assert "To move more off the GPU, add: --offload-prefetch step (8.06 GiB of optimizer state was kept" in line
+    assert "Every offload this run can use is on" not in line
+    # Where nothing was kept, or the smallest footprint ran already, that is not the advice.
+    assert what_to_add(args) == []
+    assert what_to_add(megatron(**{**vars(args), "offload_prefetch": "step"}), kept_gib=8.06) == []
+
+
 def test_the_launcher_prints_the_line_instead_of_a_traceback(tmp_path) -> None:
     """A script that runs out of memory through the launcher (no GPU needed: the error is raised as such)."""
     script = tmp_path / "pretrain_gpt.py"

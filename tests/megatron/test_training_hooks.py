@@ -347,6 +347,20 @@ def test_streamed_weights_log_what_moved_since_the_last_line() -> None:
     assert " weights in/out per iter (GiB): 1.00/1.00 | weights exposed (ms): 1.0 |" in weights.log_fields(1)
 
 
+def line(iteration: int) -> str:
+    """Megatron-LM's iteration log line, as ``training_log`` writes it."""
+    return f" [2026-11-25 15:40:08] iteration {iteration:>8}/      10 | consumed samples: {8 * iteration:>12} |"
+
+
+def test_a_log_line_covers_the_iterations_since_the_line_before() -> None:
+    run = TrainingRun()
+    # --log-interval 5 from iteration 0: the weights' and layer inputs' figures are divided by 5, not summed.
+    assert [run.iterations_since_last_line(line(i), start=0) for i in (5, 10)] == [5, 5]
+    resumed = TrainingRun()  # resumed from a checkpoint at iteration 7: its first line covers 8, 9 and 10
+    assert [resumed.iterations_since_last_line(line(i), start=7) for i in (10, 15)] == [3, 5]
+    assert TrainingRun().iterations_since_last_line("no iteration named here", start=0) == 1
+
+
 def test_the_cap_validation_applies_is_the_runs_for_the_weights_build(
     megatron: types.ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
