@@ -1,7 +1,13 @@
 """How many bytes of optimizer state stay on the GPU, decided by the scheduler and applied to the offloaders:
 what fits under the limit (the default), nothing (``--offload-prefetch step``), or a fixed fraction's share,
-refused in one line when it does not fit. Decided once, from iteration 1's peak (the state all in host
-memory then), in whole chunks rounded down; only lowered after (the peak grew, memory ran short).
+refused in one line when it does not fit. Decided once, when iteration 2's step has ended (the peaks of
+iterations 1 and 2, the state all in host memory then), in whole chunks rounded down; only lowered after (the
+peak grew, memory ran short).
+
+Why iteration 2: iteration 1's step makes Adam's moments, so it streams only the masters, through staging a
+third of the size later steps use (with weight streaming also without the stage's buffers). Iteration 2's
+step is the first to stream the whole state, the footprint every later step has: decided from iteration 1
+alone, the kept state left no room for it (a 4.18B GPT under 16 GiB ran out of memory in iteration 3).
 """
 
 from __future__ import annotations
@@ -15,7 +21,9 @@ from megatron_offload.core.units import GIB
 from megatron_offload.optimizer_state.offloader import OptimizerStateOffloader
 from megatron_offload.optimizer_state.scheduler import Peaks, StateScheduler, whole_chunks
 
-__all__ = ["KeptDecision", "OffloadFitError"]
+__all__ = ["LEARNING_STEPS", "KeptDecision", "OffloadFitError"]
+
+LEARNING_STEPS = 2  # steps run with the whole state in host memory before the decision (see above)
 
 Offloaders = Sequence[OptimizerStateOffloader]
 
@@ -35,6 +43,7 @@ class KeptDecision:
         self.elastic = config.fraction == AUTO and config.prefetch is not PrefetchPolicy.STEP
         self.keeps_none = config.fraction == AUTO and not self.elastic
         self.say = say
+        self.steps = 0  # steps that ran (skipped by the loss scale or not)
 
     @staticmethod
     def kept_bytes(offloaders: Offloaders) -> int:
@@ -45,12 +54,13 @@ class KeptDecision:
         self.scheduler.start_step()  # the limit, read once for this iteration
 
     def after_step(self, offloaders: Offloaders, stepped: bool, brought: int) -> None:
-        """Learn the step's peaks (iteration 1's, with all state offloaded, are what training needs without
-        it; ``brought``: state the backward brought back early) and decide what stays, once, lowered if the
-        peak grows."""
+        """Learn the step's peaks (those of the first ``LEARNING_STEPS``, with all state offloaded, are what
+        training needs without it; ``brought``: state the backward brought back early) and decide what stays,
+        once, after those steps, lowered if the peak grows."""
         peaks = Peaks(torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
         grew = self.scheduler.observe_step_end(peaks, resident=self.kept_bytes(offloaders) + brought)
-        if stepped and (grew or self.scheduler.kept is None):
+        self.steps += stepped
+        if stepped and self.steps >= LEARNING_STEPS and (grew or self.scheduler.kept is None):
             self.decide(offloaders)
 
     def lowered(self, offloaders: Offloaders) -> None:

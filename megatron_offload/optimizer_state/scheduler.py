@@ -3,9 +3,10 @@
 The limit is the cap (``--offload-gpu-memory-cap-gib``), else what this process holds plus what the
 device has free, in *reserved* bytes: the currency the allocator enforces it in. From readings the
 loop hands it (no CUDA here: tested on the CPU) it learns the natural peak: what training needs
-without state, read when iteration 1's step has ended (forward, backward and a step that streamed
-the whole state: the footprint of ``--offload-prefetch step``), and its growth (a later peak, less
-the state that was resident, passing it).
+without state, from the first steps' peaks, the whole state in host memory (forward, backward and a
+step that streamed the whole state: the footprint of ``--offload-prefetch step``; the caller decides
+after the first step that streamed all of it), and its growth (a later peak, less the state that was
+resident, passing it).
 
 From these it decides, in bytes, ``kept``: the state that stays on the GPU, whole chunks from the
 back of each offloader, never more than the limit leaves beside the natural peak and a margin

@@ -135,7 +135,7 @@ def test_partial_offload_keeps_parity(reference, fraction: float | str) -> None:
     results = train(training, STEPS, skip_at=SKIPPED_ITERATION)
     stats = handle.read_stats()
     total = stats.host_bytes
-    # Uncapped, this tiny model fits many times over: `auto` keeps everything after iteration 1. A fixed
+    # Uncapped, this tiny model fits many times over: `auto` keeps everything after iteration 2. A fixed
     # fraction keeps its share rounded down to whole chunks: at most one chunk more per offloader moves.
     share = 0.0 if fraction == "auto" else fraction
     largest = max(max(offloader.full_sizes()) for offloader in handle.offloaders)

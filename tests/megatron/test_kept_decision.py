@@ -1,5 +1,5 @@
 """How many bytes of optimizer state stay on the GPU: the scheduler decides it once, in bytes, when
-iteration 1's step has ended, whole chunks rounded down, and only lowers it after; the offloaders keep
+iteration 2's step has ended (the first to stream the whole state), whole chunks rounded down, and only lowers it after; the offloaders keep
 exactly what it decided. On a CPU with CUDA's peaks stood in for."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import torch
 from megatron_offload import OptimizerStateOffloader
 from megatron_offload.config.options import OffloadConfig
 from megatron_offload.core.units import GIB
+from megatron_offload.megatron.kept_decision import LEARNING_STEPS
 from megatron_offload.megatron.optimizer_adapter import OffloadFitError, OffloadHandle
 from megatron_offload.optimizer_state.scheduler import StateScheduler
 
@@ -35,7 +36,7 @@ def offloaders() -> list[OptimizerStateOffloader]:
 def handle_with_room(
     monkeypatch: pytest.MonkeyPatch, offloaders: list, room: int, fraction="auto", prefetch="auto"
 ) -> OffloadHandle:
-    """A handle on a stand-in GPU whose iteration 1 peaked at what leaves ``room`` bytes under the limit."""
+    """A handle on a stand-in GPU whose first iterations peaked at what leaves ``room`` bytes under the limit."""
     handle = OffloadHandle(object(), OffloadConfig(fraction=fraction, prefetch=prefetch))
     handle.on_cuda, handle.offloaders, handle.say = True, offloaders, handle_lines.append
     handle.decision.scheduler = StateScheduler(lambda: LIMIT)
@@ -49,9 +50,13 @@ handle_lines: list[str] = []
 
 
 def iteration(handle: OffloadHandle) -> None:
-    """What the step wrapper calls around a step that succeeded (no CUDA: the peaks are stood in for)."""
+    """What the step wrapper calls around a step that succeeded (no CUDA: the peaks are stood in for);
+    the first call runs the steps the decision waits for."""
     handle._before_step()
     handle._after_step(stepped=True)
+    while handle.decision.steps < LEARNING_STEPS:
+        handle._before_step()
+        handle._after_step(stepped=True)
 
 
 def kept_flags(offloaders: list[OptimizerStateOffloader]) -> list[list[bool]]:
@@ -113,7 +118,28 @@ def test_a_fixed_fraction_keeps_its_share_in_bytes_or_is_refused(monkeypatch: py
     for offloader in offloaders:
         offloader.keep_bytes(0)
     refused = handle_with_room(monkeypatch, offloaders, kept - 1, 0.4)
+    for _ in range(LEARNING_STEPS - 1):
+        refused._before_step()
+        refused._after_step(stepped=True)
     refused._before_step()
     with pytest.raises(OffloadFitError, match=r"^megatron-offload: --offload-fraction 0.4 keeps .* or more, or "):
         refused._after_step(stepped=True)
     assert refused.kept_bytes() == 0 and refused.scheduler.kept is None  # the state is whole in host memory
+
+
+def test_the_decision_waits_for_the_first_step_that_streams_the_whole_state(
+    monkeypatch: pytest.MonkeyPatch, offloaders: list
+) -> None:
+    """Iteration 1's step makes Adam's moments and streams only the masters: its peak is below every later
+    step's. Nothing is kept until iteration 2's step has ended, and what is kept then fits beside its peak."""
+    state = sum(offloader.plan.full_bytes() for offloader in offloaders)
+    handle = handle_with_room(monkeypatch, offloaders, state)  # iteration 1 leaves room for all of it
+    handle._before_step()
+    handle._after_step(stepped=True)
+    assert handle.scheduler.kept is None and handle.kept_bytes() == 0  # whole in host memory still
+    later = LIMIT - handle.scheduler.margin(LIMIT) - state // 3  # iteration 2 streams the whole state
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: later)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: later)
+    handle._before_step()
+    handle._after_step(stepped=True)
+    assert 0 < handle.kept_bytes() == handle.scheduler.kept_total <= state // 3
