@@ -1,6 +1,6 @@
 """How many bytes of optimizer state stay on the GPU: the scheduler decides it once, in bytes, when
-iteration 2's step has ended (the first to stream the whole state), whole chunks rounded down, and only lowers it after; the offloaders keep
-exactly what it decided. On a CPU with CUDA's peaks stood in for."""
+iteration 2's step has ended (the first to stream the whole state), whole chunks rounded down, and
+only lowers it after; the offloaders keep exactly what it decided. On a CPU with CUDA's peaks stood in for."""
 
 from __future__ import annotations
 
