@@ -35,6 +35,7 @@ class Handle(Protocol):
     def pending_offload_bytes(self) -> int: ...
     def drain_offloads(self, nbytes: int | None = None) -> None: ...
     def kept_bytes(self) -> int: ...
+    def kept_to_come_bytes(self) -> int: ...
     def evict(self, nbytes: int) -> int: ...
     def step_footprint(self) -> int: ...
     def count_hook_wait(self) -> None: ...
@@ -65,6 +66,7 @@ class PrefetchDuringBackward:
         self.at_step: int | None = None  # most memory held when a step starts, without what we brought
         self.step_started = False
         self.step_extra = 0  # what the step adds on top (streamed_step.footprint)
+        self.kept_to_come = 0  # kept state the next step brings back at its start (read once per iteration)
         self.sampled = False  # the last backward was read
         self.active = True  # some state leaves the GPU (else nothing comes back: the hooks only pump)
         self.first_param: int | None = None  # id of the param whose gradient is ready first in a backward
@@ -99,7 +101,9 @@ class PrefetchDuringBackward:
         room = scheduler.room() - handle.kept_bytes() - handle.pending_offload_bytes() - self.brought
         if last:
             room = max(room, scheduler.backward_room(allocated) - self.margin)
-        room = min(room, scheduler.backward_room(self.at_step + self.step_extra) - self.brought)
+        # The step holds what it held at its start, its own buffers, and kept state that is not back yet
+        # (the iteration after the decision: at_step was learned without it).
+        room = min(room, scheduler.backward_room(self.at_step + self.step_extra + self.kept_to_come) - self.brought)
         if room > 0:
             self.brought += handle.prefetch(max_bytes=room, landed_only=True)
 
@@ -120,6 +124,9 @@ class PrefetchDuringBackward:
         self.sampled, self.previous, self.brought, self.backwards = False, None, 0, 0
         self.step_started = False
         self.step_extra = self.handle.step_footprint()
+        # Read after the decision (made as the step ended): what it newly kept is still in host memory.
+        # Kept chunks the hooks bring back early only make this an overestimate: less comes back.
+        self.kept_to_come = self.handle.kept_to_come_bytes()
         self.active = self.handle.moves()
 
     def remove(self) -> None:
