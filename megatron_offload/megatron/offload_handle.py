@@ -90,9 +90,9 @@ class OffloadHandle:
         """State kept on the GPU across steps."""
         return self.decision.kept_bytes(self.offloaders)
 
-    def kept_to_come_bytes(self) -> int:
-        """Kept state the next step brings back at its start (not on the GPU yet, nor coming)."""
-        return sum(offloader.kept_to_come_bytes for offloader in self.offloaders)
+    def gpu_state_bytes(self) -> int:
+        """Optimizer state holding GPU memory now (kept, back early, or with a copy under way)."""
+        return sum(offloader.gpu_state_bytes for offloader in self.offloaders)
 
     def evict(self, nbytes: int) -> int:
         """Offload kept state now (memory ran short in the forward); it stays offloaded: the decision

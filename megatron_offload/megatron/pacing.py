@@ -35,7 +35,7 @@ class Handle(Protocol):
     def pending_offload_bytes(self) -> int: ...
     def drain_offloads(self, nbytes: int | None = None) -> None: ...
     def kept_bytes(self) -> int: ...
-    def kept_to_come_bytes(self) -> int: ...
+    def gpu_state_bytes(self) -> int: ...
     def evict(self, nbytes: int) -> int: ...
     def step_footprint(self) -> int: ...
     def count_hook_wait(self) -> None: ...
@@ -48,7 +48,7 @@ class PrefetchDuringBackward:
     - in the last backward also into what backward frees, less a learned margin for temporaries no
       reading sees (twice the most memory freed between two readings: one layer's activations);
     - bounded at the step, whose own tensors (fp32 grads, Adam's temporaries, staging) come on top of
-      what came back: what the step holds at its start is learned too.
+      what came back and of all kept state: what the step holds at its start without state is learned too.
     The first iteration that samples only learns.
     NOTE: the last backward is counted, not read from DDP's ``is_last_microbatch``: Megatron-LM installs
     ``no_sync`` only with --overlap-grad-reduce, so without it that flag is always set.
@@ -63,10 +63,9 @@ class PrefetchDuringBackward:
         self.brought = 0  # bytes brought back during this iteration
         self.largest_drop = 0  # most memory freed between two readings, over all backwards so far
         self.margin: int | None = None  # None until one backward has been seen
-        self.at_step: int | None = None  # most memory held when a step starts, without what we brought
+        self.at_step: int | None = None  # most memory held when a step starts, without optimizer state
         self.step_started = False
         self.step_extra = 0  # what the step adds on top (streamed_step.footprint)
-        self.kept_to_come = 0  # kept state the next step brings back at its start (read once per iteration)
         self.sampled = False  # the last backward was read
         self.active = True  # some state leaves the GPU (else nothing comes back: the hooks only pump)
         self.first_param: int | None = None  # id of the param whose gradient is ready first in a backward
@@ -101,9 +100,9 @@ class PrefetchDuringBackward:
         room = scheduler.room() - handle.kept_bytes() - handle.pending_offload_bytes() - self.brought
         if last:
             room = max(room, scheduler.backward_room(allocated) - self.margin)
-        # The step holds what it held at its start, its own buffers, and kept state that is not back yet
-        # (the iteration after the decision: at_step was learned without it).
-        room = min(room, scheduler.backward_room(self.at_step + self.step_extra + self.kept_to_come) - self.brought)
+        # At its start the step holds what it holds without state, its own buffers, all kept state (back
+        # already, or newly kept and coming back then) and what came back early.
+        room = min(room, scheduler.backward_room(self.at_step + self.step_extra + handle.kept_bytes()) - self.brought)
         if room > 0:
             self.brought += handle.prefetch(max_bytes=room, landed_only=True)
 
@@ -112,7 +111,8 @@ class PrefetchDuringBackward:
         if self.step_started or not self.on_gpu:
             return
         self.step_started = True
-        held = allocated_bytes() - self.brought
+        # Without state: kept state is not there yet in the iteration after the decision, and is later.
+        held = allocated_bytes() - self.handle.gpu_state_bytes()
         self.at_step = held if self.at_step is None else max(self.at_step, held)
 
     def new_iteration(self) -> None:
@@ -124,9 +124,6 @@ class PrefetchDuringBackward:
         self.sampled, self.previous, self.brought, self.backwards = False, None, 0, 0
         self.step_started = False
         self.step_extra = self.handle.step_footprint()
-        # Read after the decision (made as the step ended): what it newly kept is still in host memory.
-        # Kept chunks the hooks bring back early only make this an overestimate: less comes back.
-        self.kept_to_come = self.handle.kept_to_come_bytes()
         self.active = self.handle.moves()
 
     def remove(self) -> None:

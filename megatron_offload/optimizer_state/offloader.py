@@ -123,14 +123,9 @@ class OptimizerStateOffloader:
         return self.mover.leaving_bytes
 
     @property
-    def kept_to_come_bytes(self) -> int:
-        """Kept chunks neither on the GPU nor on their way back (newly kept, or evicted and kept again):
-        the step brings them back at its start, on top of what it holds, moments to come included."""
-        return sum(
-            max(chunk.nbytes, chunk.expected)
-            for chunk in self.chunks
-            if chunk.kept and not chunk.on_gpu and not (chunk.copy is not None and chunk.copy.direction == PREFETCH)
-        )
+    def gpu_state_bytes(self) -> int:
+        """State holding GPU memory now: chunks on the GPU, and chunks whose copy either way holds a block."""
+        return sum(chunk.nbytes for chunk in self.chunks if chunk.on_gpu or chunk.copy is not None)
 
     # ------------------------------------------------- the plan's and the copies' own operations
     def plan_is_current(self) -> bool:

@@ -139,28 +139,29 @@ def test_hooks_sit_on_about_samples_modules_and_each_lets_the_copies_move(monkey
 
 
 class BackwardLedger(Ledger):
-    """The handle as the backward's hooks see it: what they bring back, the step's own buffers, and kept
-    state the next step brings back at its start."""
+    """The handle as the backward's hooks see it: what they bring back, the step's own buffers, and the
+    optimizer state holding GPU memory."""
 
     def __init__(self, limit: int, step_extra: int) -> None:
         super().__init__(limit)
-        self.step_extra, self.to_come, self.asked = step_extra, 0, []
+        self.step_extra, self.resident, self.asked = step_extra, 0, []
 
     def step_footprint(self) -> int:
         return self.step_extra
 
-    def kept_to_come_bytes(self) -> int:
-        return self.to_come
+    def gpu_state_bytes(self) -> int:
+        return self.resident
 
     def prefetch(self, max_bytes: int | None = None, landed_only: bool = False) -> int:
         self.asked.append(max_bytes)
-        return max_bytes or 0
+        return 0  # nothing had landed: the test reads what the hooks asked for
 
 
-def test_the_last_backward_leaves_room_at_the_step_for_kept_state_still_to_come(monkeypatch) -> None:
-    """The iteration after the decision: the kept state is still in host memory and comes back at the step's
-    start, beside its buffers and what the step held before it was kept (learned without it). What the last
-    backward brings back early must leave room for all of that, or the step runs out of memory."""
+def test_the_last_backward_leaves_room_at_the_step_for_all_kept_state(monkeypatch) -> None:
+    """What the last backward brings back early must leave room at the step for all kept state, or the
+    step runs out of memory: in the iteration after the decision the kept state is still in host memory and
+    comes back at the step's start, on top of what the step held before any was kept; from then on it
+    stays, and what the step holds at its start is learned without it."""
     allocated = {"bytes": 0}
     monkeypatch.setattr(pacing, "allocated_bytes", lambda: allocated["bytes"])
     ledger = BackwardLedger(10 * GIB, step_extra=GIB // 2)
@@ -169,21 +170,22 @@ def test_the_last_backward_leaves_room_at_the_step_for_kept_state_still_to_come(
     param = torch.nn.Parameter(torch.zeros(2))
     hooks = pacing.PrefetchDuringBackward(ledger, [torch.nn.Linear(2, 2)], lambda: True)
     hooks.on_gpu = True
+    natural_at_step, kept = 2 * GIB, 3 * GIB
 
-    def iteration(kept: int = 0) -> None:
-        allocated["bytes"] = 3 * GIB
+    def iteration(decide: int = 0) -> None:
+        allocated["bytes"] = GIB + ledger.resident
         hooks.on_grad_ready(param)  # one backward per iteration: each is the last
-        allocated["bytes"] = 2 * GIB
+        allocated["bytes"] = natural_at_step + ledger.resident
         hooks.on_step_start()
-        ledger.kept = ledger.to_come = kept  # the decision, as the step ends: in host memory still
+        ledger.resident = ledger.kept  # the step brought the kept state back; it stays
+        ledger.kept = ledger.kept or decide  # the decision, as the step ends: in host memory still
         hooks.new_iteration()
 
     iteration()  # learns the backwards per iteration
-    iteration(kept=3 * GIB)  # learns the margin and what the step holds; the decision keeps 3 GiB
+    iteration(decide=kept)  # learns the margin and what the step holds; the decision keeps 3 GiB
     assert ledger.asked == []  # only learning so far
-    allocated["bytes"] = 3 * GIB
-    hooks.on_grad_ready(param)
-    scheduler = ledger.scheduler
-    at_step = 2 * GIB + ledger.step_extra + ledger.to_come
-    assert ledger.asked == [scheduler.backward_room(at_step)]
-    assert 2 * GIB + ledger.step_extra + ledger.to_come + ledger.asked[0] <= 10 * GIB - scheduler.margin()
+    room = ledger.scheduler.backward_room(natural_at_step + ledger.step_extra + kept)
+    iteration()  # the kept state comes back at this step's start
+    iteration()  # and is there all through this one
+    assert ledger.resident == kept and ledger.asked == [room, room]
+    assert natural_at_step + ledger.step_extra + kept + room <= 10 * GIB - ledger.scheduler.margin()

@@ -96,3 +96,19 @@ def test_eviction_is_not_undone_by_a_fraction_or_a_later_plan() -> None:
     offloader.offload()
     assert offloader.chunks and all(chunk.entries for chunk in offloader.chunks)
     assert offloader.kept_bytes == after
+
+
+def test_the_state_on_the_gpu_counts_kept_chunks_and_copies_that_hold_a_block() -> None:
+    """``gpu_state_bytes``: what the backward's hooks take out of a reading to learn the step's own needs."""
+    offloader = offloader_of((37, 1000, 5, 300, 64, 700, 1), 2000, stepped=True)
+    offloader.keep_bytes(offloader.estimated_host_bytes() // 2)
+    offloader.offload(now=False)  # planned and queued, not started: every chunk still holds its memory
+    everything = sum(chunk.nbytes for chunk in offloader.chunks)
+    kept = sum(chunk.nbytes for chunk in offloader.chunks if chunk.kept)
+    assert 0 < kept < everything == offloader.gpu_state_bytes
+    offloader.copies.drain()
+    assert offloader.gpu_state_bytes == kept  # the rest is in host memory only
+    offloader.prefetch(max_bytes=max(c.nbytes for c in offloader.chunks if not c.kept))  # a block comes back
+    assert offloader.gpu_state_bytes > kept
+    offloader.wait()
+    assert offloader.gpu_state_bytes == everything
