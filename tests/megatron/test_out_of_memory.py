@@ -19,14 +19,13 @@ def megatron(**flags: object) -> argparse.Namespace:
     return argparse.Namespace(**{**defaults, **flags})
 
 
+def streamed(**flags: object) -> argparse.Namespace:
+    """A run with the optimizer state and the weights offloaded (full recompute), and ``flags``."""
+    return megatron(offload_optimizer_states=True, offload_weights=True, recompute_granularity="full", **flags)
+
+
 def test_long_context_with_weights_streamed_is_told_the_long_context_pieces() -> None:
-    args = megatron(
-        seq_length=65536,
-        offload_optimizer_states=True,
-        offload_weights=True,
-        recompute_granularity="full",
-        offload_gpu_memory_cap_gib=24.0,
-    )
+    args = streamed(seq_length=65536, offload_gpu_memory_cap_gib=24.0)
     line = out_of_memory_line(RuntimeError(ERROR), args, int(20.5 * GIB), GIB)
     assert line.startswith("megatron-offload: out of GPU memory under --offload-gpu-memory-cap-gib 24: asked for ")
     assert "192.00 GiB with 20.50 GiB reserved at the peak" in line
@@ -44,12 +43,9 @@ def test_short_sequences_are_told_the_state_then_the_weights() -> None:
 
 
 def test_everything_on_says_so() -> None:
-    args = megatron(
+    args = streamed(
         seq_length=65536,
         spec=["megatron_offload.megatron.sdpa_spec", "gpt_layer_spec"],
-        offload_optimizer_states=True,
-        offload_weights=True,
-        recompute_granularity="full",
         offload_layer_inputs=True,
         chunked_loss=True,
     )
@@ -58,14 +54,7 @@ def test_everything_on_says_so() -> None:
 
 
 def test_state_kept_on_the_gpu_is_told_the_smallest_footprint_first() -> None:
-    args = megatron(
-        seq_length=4096,
-        offload_optimizer_states=True,
-        offload_weights=True,
-        recompute_granularity="full",
-        offload_gpu_memory_cap_gib=16.0,
-        offload_prefetch="auto",
-    )
+    args = streamed(seq_length=4096, offload_gpu_memory_cap_gib=16.0, offload_prefetch="auto")
     line = out_of_memory_line(RuntimeError(ERROR), args, int(15.97 * GIB), GIB, kept_bytes=int(8.06 * GIB))
     assert "To move more off the GPU, add: --offload-prefetch step (8.06 GiB of optimizer state was kept" in line
     assert "Every offload this run can use is on" not in line
