@@ -11,10 +11,11 @@ micro-batch 1, ``--seq-length`` = ``--max-position-embeddings`` = ``--seq``):
 - ``--longest``: each power-of-two sequence from ``--longest MIN MAX``, three iterations, with today's and
   the new flags under the cap: the longest that trains.
 Each JSON row keeps ``argv``, ``returncode``, ``parameters``, time, peak reserved memory, the losses and
-its ratio to ``no offload``.
+its ratio to ``no offload``; with ``--link``, each weight-streaming row also its optimizer step beside that
+step's floor over the host link measured first (``link_speed.py``).
 
     python -m benchmarks.long_context --megatron-lm PATH --config configs/gpt_4b.yaml --seq 65536 --cap 24 \\
-        [--rows new today base] [--train-iters 6] [--longest 16384 131072] [--out DIR]
+        [--rows new today base] [--train-iters 6] [--longest 16384 131072] [--link] [--out DIR]
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks.link_speed import measured, with_step_floors
 from benchmarks.weight_streaming import WEIGHTS, client, ratios, row
 
 SDPA = ["--spec", "megatron_offload.megatron.sdpa_spec", "gpt_layer_spec"]
@@ -61,6 +63,11 @@ def main() -> int:
         "--longest-flags", nargs="*", default=["today", "new"], choices=["today", "new"],
         help="which flag sets --longest searches (a search per set, from MIN up)",
     )  # fmt: skip
+    parser.add_argument(
+        "--link", action="store_true",
+        help="measure the host link first (in a process of its own) and give each weight-streaming row its "
+        "optimizer step beside that step's floor over it",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("long-context"))
     args = parser.parse_args()
     base = client(args, "long_context")
@@ -71,6 +78,7 @@ def main() -> int:
     batch += ["--deterministic-mode"] if args.deterministic else []
     if args.deterministic:  # deterministic cuBLAS needs a fixed workspace; the runs inherit it
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    link = measured() if args.link else None  # before the rows: the GPU is free
     results: dict[str, Any] = {}
     tail = [*sequence(args.seq), *batch, "--train-iters", str(args.train_iters)]
     rows = {
@@ -95,9 +103,11 @@ def main() -> int:
                 if figures.get("returncode") != 0:
                     break  # a longer one will not fit either
                 seq *= 2
+    if link is not None:
+        with_step_floors(results, link)
     (args.out / "long-context.json").write_text(json.dumps(results, indent=1, default=str))
     for name, figures in results.items():
-        wanted = ("_ms", "_ratio", "_GiB", "equal", "error", "returncode")
+        wanted = ("_ms", "_ratio", "_GiB", "_floor", "equal", "error", "returncode")
         shown = {k: figures[k] for k in figures if k.endswith(wanted)}
         print(f"{name}: {json.dumps(shown)}")
     return 0

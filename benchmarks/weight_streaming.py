@@ -9,11 +9,13 @@ row: ms per iteration (median after the first interval), Megatron's ``forward-ba
 iteration (``--timing-log-level 1``: forward and backward of every micro-batch), the weights' bytes each
 way and their exposed copy time per iteration (our log line), peak reserved GPU memory, and whether the
 losses equal no offload's bitwise. ``--profile`` adds one profiled run of each of the two rows
-(iterations 5-6 under torch.profiler) whose traces ``trace_summary.py`` compares.
+(iterations 5-6 under torch.profiler) whose traces ``trace_summary.py`` compares. ``--link`` measures the
+host link first and gives each weight-streaming row its optimizer step beside that step's floor
+(``link_speed.py``).
 
     python -m benchmarks.weight_streaming --megatron-lm PATH --config configs/gpt_1b.yaml \\
         --extra "--micro-batch-size 8 --global-batch-size 64" [--log-intervals 1 5] [--fit 20] [--profile]
-        [--footprint]
+        [--footprint] [--link]
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks.link_speed import measured, with_step_floors
 from benchmarks.megatron_side_by_side import run
 
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
@@ -94,11 +97,17 @@ def main() -> int:
         help="also run state offload alone and weights, uncapped, with --offload-prefetch step (the smallest "
         "footprint): their peak reserved memory is the smallest cap each fits",
     )
+    parser.add_argument(
+        "--link", action="store_true",
+        help="measure the host link first (in a process of its own) and give each weight-streaming row its "
+        "optimizer step beside that step's floor over it",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("weight-streaming"))
     args = parser.parse_args()
     base = client(args, "weight_streaming")
     if base is None:
         return 2
+    link = measured() if args.link else None  # before the rows: the GPU is free
     results: dict[str, Any] = {}
     for interval in args.log_intervals:  # --log-intervals with no value: none of these rows
         tail = ["--train-iters", str(args.train_iters), "--log-interval", str(interval), "--timing-log-level", "1"]
@@ -137,9 +146,11 @@ def main() -> int:
                 [*base, *flags, *tail, "--tensorboard-dir", str(folder / "tb")],
                 args.out,
             )
+    if link is not None:
+        with_step_floors(results, link)
     (args.out / "weight-streaming.json").write_text(json.dumps(results, indent=1, default=str))
     for key, figures in results.items():
-        shown = {k: figures[k] for k in figures if k.endswith(("_ms", "_ratio", "_GiB", "equal", "error"))}
+        shown = {k: figures[k] for k in figures if k.endswith(("_ms", "_ratio", "_GiB", "_floor", "equal", "error"))}
         print(f"{key}: {json.dumps(shown)}")
     return 0
 

@@ -20,7 +20,8 @@
 #                         --offload-layer-inputs in Megatron-LM's loop; LONG_PART=fit|speed (the 4.18B GPT at
 #                         65,536 tokens, H200), bitwise (16 x 2048 at 16k), longest (LONG_CONFIG, LONG_CAP),
 #                         step (configs/gpt_1b.yaml at 16k, 8 micro-batches: the optimizer step in one streamed
-#                         pass beside megatron-core's passes and no offload, bitwise)
+#                         pass beside megatron-core's passes and no offload, bitwise), short (the 4.18B GPT at
+#                         4,096 tokens x 4 micro-batches under 16 GiB beside no offload, the link measured first, H200)
 #            nightly      (not in the default) scripts/nightly_memory.sh without the CPU-offload reference row
 #            weights      (not in the default) benchmarks/weight_streaming.py: configs/gpt_1b.yaml at micro-batch 8
 #                         beside no offload, log intervals 1 and 5 (~7 min), and configs/gpt_4b.yaml under a
@@ -100,7 +101,7 @@ if wants weights; then  # not in the default PARTS: ~7 min (speed) or ~4 min (fi
     16k) weights_args=(--config configs/gpt_1b.yaml --train-iters 10 --log-intervals 1 5 --extra "--spec \
       megatron_offload.megatron.sdpa_spec gpt_layer_spec --seq-length 16384 --max-position-embeddings 16384 \
       --position-embedding-type rope --no-rope-fusion --no-create-attention-mask-in-dataloader --micro-batch-size 1 \
-      --global-batch-size 8 --chunked-loss") ;;
+      --global-batch-size 8 --chunked-loss" --link) ;;
   esac
   echo "=== weight streaming (${WEIGHTS_PART:-speed})"
   python3 -m benchmarks.weight_streaming --megatron-lm "${MEGATRON_LM:-.megatron-lm}" "${weights_args[@]}" \
@@ -114,6 +115,7 @@ if wants long; then  # not in the default PARTS: long context in Megatron-LM's l
     bitwise) long_args="--config configs/gpt_1b.yaml --extra '--num-layers 16' --seq 16384 --cap 0 --rows new base --train-iters 6 --global-batch-size 2 --deterministic" ;;
     longest) long_args="--config ${LONG_CONFIG:-configs/gpt_1b.yaml} --cap ${LONG_CAP:-24} --rows --longest 16384 262144" ;;
     step) long_args="--config configs/gpt_1b.yaml --seq 16384 --cap 0 --rows new base --train-iters 6 --global-batch-size 8 --deterministic" ;;
+    short) long_args="--config configs/gpt_4b.yaml --seq 4096 --cap 16 --rows new base --train-iters 6 --global-batch-size 4 --link" ;;  # H200
   esac
   echo "=== long context (${LONG_PART:-fit}): ${LONG_ARGS:-$long_args}"
   eval "python3 -m benchmarks.long_context --megatron-lm \"${MEGATRON_LM:-.megatron-lm}\" ${LONG_ARGS:-$long_args} \
