@@ -33,7 +33,7 @@ class PrefetchOnFinalize:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         handle = self.handle
-        if handle.scheduler.learned:  # iteration 1 measures the peaks without state: nothing back early
+        if handle.scheduler.decided:  # before, the peaks are read without state: nothing back early
             # As much as the limit leaves beside what is allocated now and what the step will add; the
             # rest streams through the step (under a tight cap the whole state does not fit at once).
             allocated = torch.cuda.memory_allocated() if handle.on_cuda else 0

@@ -106,6 +106,12 @@ class StateScheduler:
     def learned(self) -> bool:
         return self.natural is not None
 
+    @property
+    def decided(self) -> bool:
+        """What stays is decided: until then the steps' peaks are read with all state in host memory, so
+        nothing may come back ahead of a step."""
+        return self.kept is not None
+
     def limit(self) -> int:
         """The limit as read at the latest step's start. Not per reading: uncapped it is a driver call
         (free memory) plus the allocator's statistics, which the hooks would pay dozens of times per pass."""

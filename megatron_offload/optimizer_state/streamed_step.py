@@ -124,7 +124,7 @@ def run(
         # Nothing moves (all of it kept and here): the optimizer's own step, as without offloading. With a
         # stage the groups below still run: its params and gradients lie in host memory, where the
         # optimizer's own step would cross the link in each of its passes.
-        _whole_step(stepper, planning.all_params(off.optimizer), after_chunk, stage)
+        _whole_step(stepper, planning.all_params(off.optimizer), after_chunk, None)
         for chunk in chunks:
             chunk.touched = True
         return

@@ -1,0 +1,39 @@
+"""``--offload-prefetch finalize`` brings state back as gradients are finalized, but only once the default has
+decided what stays: until then (iterations 1 and 2) the steps' peaks are read with all state in host memory,
+and state brought back early would be counted as what training needs without it."""
+
+from __future__ import annotations
+
+from megatron_offload.core.units import GIB
+from megatron_offload.megatron.finalize_prefetch import PrefetchOnFinalize
+from megatron_offload.optimizer_state.scheduler import Peaks, StateScheduler
+
+
+class Handle:
+    """The wrapper's view of an OffloadHandle, off the GPU: it records what was brought back."""
+
+    def __init__(self) -> None:
+        self.scheduler = StateScheduler(lambda: 10 * GIB)
+        self.offloaders: list = []
+        self.on_cuda = False
+        self.prefetched: list[int | None] = []
+
+    def step_footprint(self) -> int:
+        return 0
+
+    def prefetch(self, max_bytes: int | None = None, landed_only: bool = False) -> int:
+        self.prefetched.append(max_bytes)
+        return 0
+
+
+def test_nothing_comes_back_early_until_what_stays_is_decided() -> None:
+    handle, finalized = Handle(), []
+    wrapper = PrefetchOnFinalize(lambda: finalized.append(True), handle)
+    wrapper()  # iteration 1
+    handle.scheduler.start_step()
+    handle.scheduler.observe_step_end(Peaks(4 * GIB, 4 * GIB), resident=0)
+    wrapper()  # iteration 2: its peak is still being read without state
+    assert handle.prefetched == [] and finalized == [True, True]
+    handle.scheduler.decide([[GIB, GIB]])  # after iteration 2's step
+    wrapper()
+    assert handle.prefetched == [None] and len(finalized) == 3  # off the GPU: all of it, then finalized
