@@ -1,10 +1,11 @@
 """Copies queued behind the event they depend on, started at the caller's points, retired when landed.
 
 Knows no optimizer and no Megatron. No thread of its own: copies start in ``pump()``, ``flush()``,
-``start()`` or ``drain()``, called at points the caller passes anyway. ``pump()`` never waits on the
-host, and runs at most ``in_flight`` copies per direction, so a read queued behind them (a loss
-``.item()``) waits for a few copies at most. A copy holds the memory it reads or fills until it has
-landed; a failed copy is raised at the next point, naming what it copied and which way.
+``start()``, ``release()`` or ``drain()``, called at points the caller passes anyway. ``pump()`` never
+waits on the host, and runs at most ``in_flight`` copies per direction, so a read queued behind them (a
+loss ``.item()``) waits for a few copies at most. A copy holds the memory it reads or fills until it has
+landed, or until ``release()`` orders the compute stream after it; a failed copy is raised at the next
+point, naming what it copied and which way.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ class Copy:
     on_start: Callable[[Copy], None] | None = None
     on_landed: Callable[[Copy], None] | None = None
     on_failed: Callable[[Copy, BaseException], None] | None = None
+    on_released: Callable[[Copy], None] | None = None  # its memory given back before it landed (``release``)
+    released: bool = False
 
     def describe(self, error: BaseException) -> str:
         """What failed and which way, with the error's first 200 characters on one line."""
@@ -127,6 +130,30 @@ class CopyQueue:
                     self._fail(copy, error)
                 freed += copy.frees
                 self._retire(copy)
+        return freed
+
+    def release(self, nbytes: int | None = None) -> int:
+        """Give back the device memory copies out read, oldest first, until ``nbytes`` (default: all),
+        without a host wait: each is started if still queued, the compute stream waits for it on the device,
+        and the memory it read is dropped at once (``on_released``), for compute-stream work queued after
+        that wait only. Each copy stays in flight until it has landed (``drain`` and failures see it).
+        Returns the bytes given back."""
+        freed = 0
+        for copy in [*self._flying[OFFLOAD], *self._queued[OFFLOAD]]:
+            if nbytes is not None and freed >= nbytes:
+                break
+            if copy.released:
+                continue
+            if copy.done is None:
+                self.start(copy)
+            # On the device: the compute stream's later work, which may be handed this memory by the
+            # allocator, runs only once the copy has read it. The host goes on queueing.
+            self.streams.compute_waits(copy.done)
+            freed += copy.frees
+            copy.released, copy.frees = True, 0
+            if copy.on_released is not None:
+                copy.on_released(copy)
+            copy.pairs, copy.held = [], []  # the last references: freed now, ordered by the wait above
         return freed
 
     def _start(self, copy: Copy, device_wait: bool) -> None:

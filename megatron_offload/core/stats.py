@@ -33,7 +33,7 @@ class OffloadStats:
     host_bytes: int = 0  # the planned state in the host slab: every byte that may be offloaded
     kept_bytes: int = 0  # state kept on the GPU across steps (``fraction`` below 1, or ``auto``'s)
     pinned: bool = True
-    hook_waits: int = 0  # times a hook waited on the host for copies (0 in steady state)
+    hook_waits: int = 0  # times a forward's hook had copies out waited for (on the device; on the host in iteration 1)
     step_backlog_bytes: int = 0  # offload copies still pending when the latest step returned
     peak_allocated_bytes: int = 0  # ``torch.cuda.max_memory_allocated`` since its last reset
     peak_reserved_bytes: int = 0  # ``max_memory_reserved``: what the GPU really had to hold

@@ -86,6 +86,16 @@ class OffloadHandle:
                 if nbytes <= 0:
                     return
 
+    def release_offloads(self, nbytes: int | None = None) -> int:
+        """Give back the GPU memory of offloads under way, oldest first, until ``nbytes`` (default: all),
+        without a host wait: the compute stream waits for those copies on the device. Returns the bytes."""
+        freed = 0
+        for offloader in self.offloaders:
+            if nbytes is not None and freed >= nbytes:
+                break
+            freed += offloader.copies.release(None if nbytes is None else nbytes - freed)
+        return freed
+
     def kept_bytes(self) -> int:
         """State kept on the GPU across steps."""
         return self.decision.kept_bytes(self.offloaders)
@@ -129,16 +139,17 @@ class OffloadHandle:
             self.decision.before_step()
 
     def _after_step(self, stepped: bool) -> None:
-        """The state has left the step: the decision learns the peaks and decides what stays (KeptDecision),
-        then wait until no more is pending than the next forward has room for."""
+        """The state has left the step: the decision learns the peaks and decides what stays (KeptDecision).
+        Once the forward's hooks pace the copies out (RoomForForward), they stay pending; before that, wait
+        until no more is pending than the forward's peak has room for."""
         if not self.on_cuda:
             return
         self.decision.after_step(self.offloaders, stepped, self._pacer.brought if self._pacer is not None else 0)
         budget = self.scheduler.backlog_budget(self.kept_bytes())
         self.step_backlog_bytes = self.pending_offload_bytes()
-        if self.step_backlog_bytes > budget:
-            # On the host: the next forward needs this memory, and only a landed copy frees it. Only
-            # under a limit too tight for copies to overlap the forward (uncapped, the budget is large).
+        if self.step_backlog_bytes > budget and not (self._room is not None and self._room.paces):
+            # On the host: the next forward needs this memory and no hook has learned when. Only in
+            # iteration 1, or without the forward's hooks (uncapped, the budget is large).
             self.drain_offloads(self.step_backlog_bytes - budget)
 
     def smallest_footprint_note(self, peak_reserved: int, asked: int) -> str | None:

@@ -22,6 +22,7 @@ __all__ = ["PrefetchDuringBackward", "RoomForForward"]
 PACING_MIN_MARGIN_BYTES = 64 * MIB
 SAMPLES = 64  # hooks per backward, and per forward
 READ_EVERY = 4  # a forward with no copies out pending reads memory at every fourth hook
+LOOKAHEAD = 2  # hooks ahead a forward makes room for: what one module allocates and frees between hooks
 
 
 class Handle(Protocol):
@@ -34,6 +35,7 @@ class Handle(Protocol):
     def prefetch(self, max_bytes: int | None = None, landed_only: bool = False) -> int: ...
     def pending_offload_bytes(self) -> int: ...
     def drain_offloads(self, nbytes: int | None = None) -> None: ...
+    def release_offloads(self, nbytes: int | None = None) -> int: ...
     def kept_bytes(self) -> int: ...
     def gpu_state_bytes(self) -> int: ...
     def evict(self, nbytes: int) -> int: ...
@@ -133,13 +135,15 @@ class PrefetchDuringBackward:
 
 
 class RoomForForward:
-    """Frees memory in the forward, should the scheduler's forecast not hold (in steady state the step
-    leaves no more copies out pending than the forward has room for: one reading per hook, no wait).
+    """Paces the copies out through the forward, and frees memory should the scheduler's forecast not hold.
 
     The first forward records what training needs without state (the highest reading so far at each
-    hook). Later, if allocated now plus what the rest of the first forward added would pass the limit
-    (the workload grew), the hook waits for the oldest copies out, then offloads kept state: slower,
-    never out of memory where offloading fits.
+    hook). Later forwards give back, at each hook, just the copies out that the forward needs room for up
+    to ``LOOKAHEAD`` hooks on, by that profile (from where it reached its top, a backward follows: up to the
+    natural peak). The compute stream waits for those copies on the device, never the host, and the other
+    copies run beside the forward. If allocated now plus what the rest of the first forward added would
+    pass the limit even with every copy out landed (the workload grew), every copy out is given back and
+    kept state goes too: slower, never out of memory where offloading fits.
     """
 
     def __init__(self, handle: Handle, model_chunks: Sequence[torch.nn.Module]) -> None:
@@ -157,7 +161,14 @@ class RoomForForward:
         self.calls = 0
         self.learning = True  # the first iteration: record the profile
         self.profile: list[int] = []  # highest natural reading up to each hook of the first iteration
-        self.waited = 0  # times a forward waited (for tests and the log)
+        self.peaks: list[int] = []  # the allocator's highest allocation so far at each hook (between hooks too)
+        self.top = 0  # the first hook where the profile reached its highest reading
+        self.waited = 0  # times a forward had the compute stream wait for copies out (for tests and the log)
+
+    @property
+    def paces(self) -> bool:
+        """The profile is learned: the step may leave its copies out pending for the forward to pace."""
+        return not self.learning and bool(self.profile)
 
     def before_forward(self, module: torch.nn.Module, args: Any) -> None:
         if not self.on_gpu:
@@ -168,33 +179,46 @@ class RoomForForward:
             pending = self.handle.pending_offload_bytes()
             natural = allocated_bytes() - pending - self.handle.kept_bytes()
             self.profile.append(max(natural, self.profile[-1] if self.profile else natural))
+            self.peaks.append(allocated_bytes(peak=True) - pending - self.handle.kept_bytes())
             if pending:  # nothing learned yet: let everything land first
-                self._wait(None)
-            return
-        if not self.profile or (self.calls % READ_EVERY and not self.handle.pending_offload_bytes()):
-            return  # with nothing leaving, a reading every few hooks is enough to see a forward grow
-        scheduler = self.handle.scheduler
-        to_come = self.profile[-1] - self.profile[min(self.calls, len(self.profile)) - 1]
-        excess = allocated_bytes() + to_come + scheduler.caching_gap + scheduler.margin() - scheduler.limit()
-        if excess <= 0:
+                self.handle.count_hook_wait()
+                self.handle.drain_offloads(None)
             return
         pending = self.handle.pending_offload_bytes()
-        if pending:
-            self._wait(min(excess, pending))
-            excess -= pending
-        if excess > 0 and self.handle.kept_bytes():
-            self.handle.evict(excess)  # kept state out for good: the scheduler re-chooses after the step
-            self._wait(None)
+        if not self.profile or (self.calls % READ_EVERY and not pending):
+            return  # with nothing leaving, a reading every few hooks is enough to see a forward grow
+        scheduler = self.handle.scheduler
+        headroom = scheduler.limit() - scheduler.caching_gap - scheduler.margin()
+        index = min(self.calls, len(self.profile)) - 1
+        allocated = allocated_bytes()
+        grown = allocated - pending + self.profile[-1] - self.profile[index] - headroom
+        if grown > 0:
+            self._release(None)
+            if self.handle.kept_bytes():
+                self.handle.evict(grown)  # kept state out for good: the scheduler re-chooses after the step
+                self._release(None)
+        elif pending and allocated + self._ahead(index) > headroom:
+            self._release(min(pending, allocated + self._ahead(index) - headroom))
 
-    def _wait(self, nbytes: int | None) -> None:
+    def _ahead(self, index: int) -> int:
+        """What the forward adds from hook ``index`` to ``LOOKAHEAD`` hooks on, by the first forward's
+        profile, with what a module allocates and frees between two hooks (the allocator's peak then); from
+        the profile's top on, up to the natural peak (the backward's, the step's)."""
+        if index < self.top:
+            return max(0, self.peaks[min(index + LOOKAHEAD, self.top)] - self.profile[index])
+        natural = self.handle.scheduler.natural
+        return max(0, (natural.allocated if natural is not None else self.profile[-1]) - self.profile[index])
+
+    def _release(self, nbytes: int | None) -> None:
         self.waited += 1
         self.handle.count_hook_wait()
-        self.handle.drain_offloads(nbytes)
+        self.handle.release_offloads(nbytes)
 
     def new_iteration(self) -> None:
         """Called after every step: the first forward's profile is complete."""
         if self.learning and self.calls:
             self.learning = False
+            self.top = self.profile.index(self.profile[-1]) if self.profile else 0
         self.calls = 0
 
     def remove(self) -> None:
@@ -208,10 +232,10 @@ def sampled(items: list) -> list:
     return items[:: max(1, len(items) // SAMPLES)]
 
 
-def allocated_bytes() -> int:
-    """``torch.cuda.memory_allocated()`` without flattening every allocator statistic into a new dict
-    on each call, which the hooks would pay many times per iteration."""
+def allocated_bytes(peak: bool = False) -> int:
+    """``torch.cuda.memory_allocated()`` (``peak``: ``max_memory_allocated()``) without flattening every
+    allocator statistic into a new dict on each call, which the hooks would pay many times per iteration."""
     stats = getattr(torch._C, "_cuda_memoryStats", None)
     if stats is None:
-        return torch.cuda.memory_allocated()
-    return stats(torch.cuda.current_device())["allocated_bytes"]["all"]["current"]
+        return torch.cuda.max_memory_allocated() if peak else torch.cuda.memory_allocated()
+    return stats(torch.cuda.current_device())["allocated_bytes"]["all"]["peak" if peak else "current"]

@@ -73,6 +73,7 @@ class ChunkCopies:
             on_start=self._started,
             on_landed=self._landed,
             on_failed=self._failed,
+            on_released=self._released,
             chunk=chunk,
             **fields,
         )
@@ -157,10 +158,27 @@ class ChunkCopies:
                 chunk.ready = None  # landed: the compute stream need not wait for it
         copy.block = None  # the block's last reference from here: freed now, nothing reads it any more
 
+    def _released(self, copy: ChunkCopy) -> None:
+        """The compute stream waits for the copy out on the device (``CopyQueue.release``): its block goes
+        back now, and to the compute stream the chunk is on the host (a copy back queued behind a later
+        compute-stream mark reads whole data)."""
+        chunk = copy.chunk
+        if chunk.copy is copy:
+            chunk.copy = None
+            self.leaving_bytes -= chunk.nbytes
+        copy.block = None  # the block's last reference: the allocator hands it out behind that wait only
+
     def _failed(self, copy: ChunkCopy, error: BaseException) -> None:
         """Point the chunk at a whole copy of its data (the GPU memory a failed copy out read; the host
-        copy a failed copy back was filling from) and raise, naming the chunk and direction."""
+        copy a failed copy back was filling from) and raise, naming the chunk and direction. A copy out
+        whose GPU memory was already given back leaves no whole copy: the error says so."""
         chunk = copy.chunk
+        if copy.direction == OFFLOAD and copy.released:
+            raise OffloadCopyError(
+                f"megatron-offload: copy of optimizer state failed: {copy.describe(error)}; its GPU memory was "
+                "already given back, so this chunk's host copy may be incomplete: stop and resume from the last "
+                "complete checkpoint."
+            ) from error
         if copy.direction == OFFLOAD:
             self._point_at_sources(copy)
             chunk.touched = True

@@ -3,7 +3,8 @@
 What it proves: a copy whose dependency has not completed is left for the next point; at most
 ``in_flight`` copies run per direction; the memory a copy holds is dropped only once it has landed;
 a failed copy is raised at the next point, naming what it copied and which way; ``drain`` blocks
-until copies have landed and counts what they free.
+until copies have landed and counts what they free; ``release`` gives back what copies out read with
+the compute stream waiting on the device, the host never, the copies in flight until they land.
 """
 
 from __future__ import annotations
@@ -19,10 +20,16 @@ from tests.gates import Gate
 
 
 class GatedStreams(HostStreams):
-    """Copies happen at once (host memory); their end events complete by hand."""
+    """Copies happen at once (host memory); their end events complete by hand. The compute stream's
+    waits are recorded, not made: a device wait leaves the host going on."""
 
     def __init__(self) -> None:
         self.started: list[tuple[str, Gate]] = []
+        self.compute_waited: list[Gate] = []
+
+    def compute_waits(self, event):
+        self.compute_waited.append(event)
+        return None, None
 
     def copy(self, direction, pairs, after):
         super().copy(direction, pairs, after)
@@ -111,3 +118,24 @@ def test_a_cancelled_copy_never_starts() -> None:
     queue.cancel(copy)
     queue.flush()
     assert streams.started == [] and queue.idle and not destination.any()
+
+
+def test_release_orders_the_compute_stream_after_the_oldest_copies_out_and_drops_their_memory_at_once() -> None:
+    streams, released = GatedStreams(), []
+    queue = CopyQueue(streams)
+    held = [torch.ones(4) for _ in range(3)]
+    watches = [weakref.ref(tensor) for tensor in held]
+    copies = [
+        queue.put(a_copy(after=Gate(), held=[tensor], frees=100, on_released=released.append)[0]) for tensor in held
+    ]
+    del held
+    assert queue.release(150) == 200  # oldest first, until at least 150 bytes: the third stays queued
+    assert released == copies[:2] and streams.compute_waited == [c.done for c in copies[:2]]
+    assert [w() is None for w in watches] == [True, True, False]  # given back now, behind the device wait
+    assert not any(gate.open for _, gate in streams.started)  # the host waited for nothing
+    assert queue.queued(OFFLOAD) == [copies[2]] and not queue.idle  # in flight until they land
+    assert queue.release() == 100 and queue.release() == 0  # each copy is released once
+    for _, gate in streams.started:
+        gate.open = True
+    queue.pump()
+    assert queue.idle

@@ -1,7 +1,9 @@
 """The forward's hooks without a GPU: allocator readings and the memory limit are the test's, the
-offloads a ledger the hooks drain. What it proves: the first forward records the profile and lets
-everything land; a later forward as forecast never waits; one that grew waits for just what it needs,
-then offloads kept state; hooks sit on about SAMPLES modules and each lets the copies move."""
+offloads a ledger the hooks drain or release. What it proves: the first forward records the profile and
+lets everything land; a later forward as forecast never waits; one that starts with more copies out than
+its peak has room for releases them a few at a time, each just ahead of the memory it needs, never on
+the host; one that grew releases just what it needs, then offloads kept state; hooks sit on about SAMPLES
+modules and each lets the copies move."""
 
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ class Ledger:
         self.scheduler = StateScheduler(lambda: limit)
         self.pieces: list[int] = []
         self.kept = 0
-        self.drained: list[int | None] = []
+        self.drained: list[int | None] = []  # host waits
+        self.released: list[int | None] = []  # the compute stream's waits
         self.evicted: list[int] = []
         self.waits = 0
         self.pumps = 0
@@ -40,6 +43,13 @@ class Ledger:
         while self.pieces and (nbytes is None or freed < nbytes):
             freed += self.pieces.pop(0)
 
+    def release_offloads(self, nbytes: int | None = None) -> int:
+        self.released.append(nbytes)
+        freed = 0
+        while self.pieces and (nbytes is None or freed < nbytes):
+            freed += self.pieces.pop(0)
+        return freed
+
     def kept_bytes(self) -> int:
         return self.kept
 
@@ -56,8 +66,13 @@ class Ledger:
 @pytest.fixture
 def room(monkeypatch: pytest.MonkeyPatch):
     """A RoomForForward over a four-layer model on a GPU capped at 10 GiB; ``allocated`` is the reading."""
-    allocated = {"bytes": 0}
-    monkeypatch.setattr(pacing, "allocated_bytes", lambda: allocated["bytes"])
+    allocated = {"bytes": 0, "peak": 0}
+
+    def reading(peak: bool = False) -> int:
+        allocated["peak"] = max(allocated["peak"], allocated["bytes"])
+        return allocated["peak"] if peak else allocated["bytes"]
+
+    monkeypatch.setattr(pacing, "allocated_bytes", reading)
     ledger = Ledger(10 * GIB)
     model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(4)])
     hooks = pacing.RoomForForward(ledger, [model])
@@ -75,9 +90,15 @@ def forward(model: torch.nn.Module, allocated: dict, readings: list[int]) -> Non
 PROFILE = [2 * GIB, 4 * GIB, 6 * GIB, 7 * GIB]  # what the forward needs without state
 
 
-def learn(hooks, ledger, allocated, model) -> None:
-    """Iteration 1: the profile, then the reading of the natural peak at its step's end (8 GiB reserved)."""
-    forward(model, allocated, PROFILE)
+def learn(hooks, ledger, allocated, model, transient: int = 0) -> None:
+    """Iteration 1: the profile (``transient``: a module between hooks 1 and 2 allocates that much more
+    and frees it), then the reading of the natural peak at its step's end (8 GiB reserved)."""
+    for index, (layer, reading) in enumerate(zip(model, PROFILE, strict=True)):
+        if index == 2 and transient:
+            allocated["bytes"] = PROFILE[1] + transient
+            pacing.allocated_bytes()  # the allocator's peak sees it; no hook does
+        allocated["bytes"] = reading
+        layer(torch.zeros(1, 2))
     ledger.scheduler.start_step()
     ledger.scheduler.observe_step_end(Peaks(8 * GIB, 8 * GIB), resident=0)
     hooks.new_iteration()
@@ -103,7 +124,38 @@ def test_a_forward_as_forecast_never_waits(room) -> None:
     assert backlog > 0
     ledger.pieces = [backlog]
     forward(model, allocated, [p + backlog for p in PROFILE])
-    assert ledger.drained == [] and ledger.waits == 0
+    assert ledger.drained == [] and ledger.released == [] and ledger.waits == 0
+
+
+def test_copies_out_beyond_the_peak_room_are_released_just_ahead_of_the_memory_the_forward_needs(room) -> None:
+    hooks, ledger, allocated, model = room
+    learn(hooks, ledger, allocated, model)
+    scheduler = ledger.scheduler
+    headroom = scheduler.limit() - scheduler.caching_gap - scheduler.margin()
+    ledger.pieces = [256 * MIB] * 12  # 3 GiB out, more than the peak leaves room for (backlog_budget)
+    assert ledger.pending_offload_bytes() > scheduler.backlog_budget(0)
+    for index, layer in enumerate(model):
+        allocated["bytes"] = PROFILE[index] + ledger.pending_offload_bytes()  # copies out still hold memory
+        layer(torch.zeros(1, 2))
+        # After the hook: what the forward holds and adds before two hooks on (at the top: up to the
+        # natural peak of 8 GiB) fits, with the copies still out.
+        ahead = (PROFILE[min(index + pacing.LOOKAHEAD, 3)] if index < 3 else 8 * GIB) - PROFILE[index]
+        assert PROFILE[index] + ledger.pending_offload_bytes() + ahead <= headroom
+    assert ledger.drained == [] and ledger.evicted == []  # never a host wait, nothing kept lost
+    assert ledger.released[0] is not None and len(ledger.released) == 2  # a few at a time, not all at once
+    assert 0 < ledger.pending_offload_bytes() <= scheduler.backlog_budget(0)  # the rest lands beside the peak
+
+
+def test_what_a_module_allocates_and_frees_between_hooks_is_made_room_for_too(room) -> None:
+    hooks, ledger, allocated, model = room
+    learn(hooks, ledger, allocated, model, transient=3 * GIB)  # 7 GiB for a moment between hooks 1 and 2
+    scheduler = ledger.scheduler
+    headroom = scheduler.limit() - scheduler.caching_gap - scheduler.margin()
+    ledger.pieces = [256 * MIB] * 12
+    allocated["bytes"] = PROFILE[0] + ledger.pending_offload_bytes()
+    model[0](torch.zeros(1, 2))
+    # By hook 2 the forward will have held 7 GiB for a moment: the copies out that would not fit beside it go now.
+    assert ledger.released and PROFILE[1] + 3 * GIB + ledger.pending_offload_bytes() <= headroom
 
 
 def test_a_forward_that_grew_waits_for_just_what_it_needs_then_evicts(room) -> None:
@@ -119,11 +171,11 @@ def test_a_forward_that_grew_waits_for_just_what_it_needs_then_evicts(room) -> N
     for layer, reading in zip(model[:2], [PROFILE[0], PROFILE[1] + slack + over], strict=True):
         allocated["bytes"] = reading
         layer(torch.zeros(1, 2))
-    assert ledger.drained == [over]  # the oldest copies out, only as many as the excess
+    assert ledger.released == [over] and ledger.drained == []  # the oldest copies out, as many as the excess
     assert ledger.evicted == []
     allocated["bytes"] = PROFILE[2] + slack + 2 * GIB  # more than all that is pending: kept state must go
     model[2](torch.zeros(1, 2))
-    assert ledger.evicted and ledger.kept == 0 and ledger.drained[-1] is None
+    assert ledger.evicted and ledger.kept == 0 and ledger.released[-1] is None and ledger.drained == []
 
 
 def test_hooks_sit_on_about_samples_modules_and_each_lets_the_copies_move(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -133,7 +185,7 @@ def test_hooks_sit_on_about_samples_modules_and_each_lets_the_copies_move(monkey
     hooks = pacing.RoomForForward(ledger, [model])
     hooks.on_gpu = True
     assert len(hooks.hooks) == 2  # every second module with parameters of its own
-    monkeypatch.setattr(pacing, "allocated_bytes", lambda: PROFILE[0])
+    monkeypatch.setattr(pacing, "allocated_bytes", lambda peak=False: PROFILE[0])
     model(torch.zeros(1, 2))
     assert ledger.pumps == 2  # each hook is a point where copies start and land
 

@@ -4,7 +4,8 @@ What it proves: a copy whose dependency has not completed is left for the next p
 never waits); at most ``IN_FLIGHT`` copies run per direction; GPU memory a copy reads is held until
 that copy has landed; a copy that fails is raised at the next point, naming the chunk and direction,
 with the chunk pointing at a whole copy of its data; a chunk whose copy out has not started simply
-stays when it is wanted back.
+stays when it is wanted back; a released copy out gives its block back before it lands, and the chunk
+comes back by a copy ordered after it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,18 @@ class ManualStreams(HostStreams):
     def open_all(self) -> None:
         for gate in self.marks + [gate for _, gate in self.started]:
             gate.open = True
+
+
+class DeviceWaitStreams(ManualStreams):
+    """As ManualStreams, with the compute stream's waits recorded, not made (a device wait: the host goes on)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.compute_waited: list[Gate] = []
+
+    def compute_waits(self, event):
+        self.compute_waited.append(event)
+        return None, None
 
 
 def offloader_with(streams: ManualStreams, count: int = 6) -> tuple[OptimizerStateOffloader, list[torch.Tensor]]:
@@ -142,3 +155,45 @@ def test_a_chunk_wanted_back_while_its_copy_out_runs_comes_back_without_a_copy()
     offloader.hand_to_compute(first)  # the step needs it: its block still holds it
     assert first.on_gpu and first.copy is None
     assert [d for d, _ in streams.started].count("prefetch") == 0  # no copy back
+
+
+def test_a_released_copy_out_gives_its_block_back_before_it_lands_and_comes_back_by_a_copy() -> None:
+    streams = DeviceWaitStreams()
+    offloader, masters = offloader_with(streams)
+    offloader.offload()
+    streams.open_all()
+    offloader.copies.drain()
+    offloader.wait()
+    streams.open_all()
+    for chunk in offloader.chunks:
+        offloader.hand_to_compute(chunk)
+    streams.open_all()
+    offloader.copies.pump()  # the copies back have landed: the blocks are the chunks' alone
+    streams.compute_waited.clear()
+    values = [master.detach().clone() for master in masters]
+    first = offloader.chunks[0]
+    block = weakref.ref(first.block)
+    offloader.offload(now=False)  # the step's end: every chunk queued out
+    assert offloader.copies.release(first.nbytes) == first.nbytes
+    out = streams.started[-1][1]
+    assert streams.compute_waited == [out] and not out.open  # the compute stream waits, the host does not
+    assert block() is None and first.copy is None  # its block is back with the allocator, behind that wait
+    assert offloader.leaving_bytes == offloader.stats.host_bytes - first.nbytes and not offloader.copies.idle
+    marks = len(streams.marks)
+    offloader.prefetch()  # wanted back before its copy out landed: a copy back, not its old block
+    back = first.copy
+    assert back is not None and back.direction == "prefetch" and back.after is streams.marks[marks]
+    streams.open_all()
+    offloader.copies.drain()
+    offloader.wait()
+    assert all(torch.equal(m.detach(), v) for m, v in zip(masters, values, strict=True))
+
+
+def test_a_released_copy_out_that_fails_says_the_host_copy_may_be_incomplete() -> None:
+    streams = DeviceWaitStreams()
+    offloader, _ = offloader_with(streams)
+    offloader.offload(now=False)
+    offloader.copies.release()
+    streams.started[0][1].error = "injected: copy failed"
+    with pytest.raises(OffloadCopyError, match=r"chunk 1 of \d+ .*GPU to host.*host copy may be incomplete"):
+        offloader.copies.pump()
