@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "apply_memory_cap",
     "expandable_segments_from_now",
+    "every_segment_remappable",
     "gpu_only",
     "memory_limit_bytes",
     "refresh_memory_cap",
@@ -83,6 +84,18 @@ def expandable_segments_from_now(environ: dict[str, str] | None = None) -> str |
         f"megatron-offload: PYTORCH_CUDA_ALLOC_CONF was not set; {EXPANDABLE_SEGMENTS} from now on, so that "
         "state moving in and out does not fragment GPU memory. Set PYTORCH_CUDA_ALLOC_CONF to choose otherwise."
     )
+
+
+def every_segment_remappable() -> bool:
+    """Whether all the memory the allocator's default pool holds is in expandable segments, whose free
+    pages it can unmap and map again where any request needs them. Not so where the model was built
+    before expandable segments were turned on (the library API without ``PYTORCH_CUDA_ALLOC_CONF``): a
+    block freed in the middle of such a fixed-size segment serves only requests that fit in it. Private
+    pools (the device-mapped host memory's, CUDA graphs') are left out: activations and state never go there."""
+    if not torch.cuda.is_available():
+        return False
+    segments = torch.cuda.memory._snapshot()["segments"]
+    return all(s.get("is_expandable", False) for s in segments if tuple(s.get("segment_pool_id", (0, 0))) == (0, 0))
 
 
 def apply_memory_cap(cap_gib: float, device: int, name: str = CAP_FLAG) -> int:

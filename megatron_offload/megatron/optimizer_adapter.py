@@ -13,7 +13,11 @@ from typing import Any
 import torch
 
 from megatron_offload.config.options import AUTO, OffloadConfig, PrefetchPolicy
-from megatron_offload.core.gpu_memory import apply_memory_cap, expandable_segments_from_now
+from megatron_offload.core.gpu_memory import (
+    apply_memory_cap,
+    every_segment_remappable,
+    expandable_segments_from_now,
+)
 from megatron_offload.core.units import MIB
 from megatron_offload.megatron.kept_decision import OffloadFitError
 from megatron_offload.megatron.offload_handle import OffloadHandle
@@ -101,7 +105,8 @@ def attach_offloader(optimizer: Any, config: OffloadConfig | None = None, **over
         model_chunks = list({id(chunk): chunk for dist_opt in dist_opts for chunk in dist_opt.model_chunks}.values())
         if config.prefetch is PrefetchPolicy.AUTO:
             handle._pacer = PrefetchDuringBackward(handle, model_chunks, lambda: _in_last_microbatch(model_chunks))
-        handle._room = RoomForForward(handle, model_chunks)
+        # Paced through the forward only where freed memory is usable by any request (expandable segments).
+        handle._room = RoomForForward(handle, model_chunks, pace=every_segment_remappable())
         setattr(optimizer, _HANDLE_ATTR, handle)
         # Out before the first forward, and landed: the masters exist already, iteration 1's peak counts
         # too, and iteration 1's forward learns its growth with nothing in flight.

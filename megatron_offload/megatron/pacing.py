@@ -144,10 +144,16 @@ class RoomForForward:
     copies run beside the forward. If allocated now plus what the rest of the first forward added would
     pass the limit even with every copy out landed (the workload grew), every copy out is given back and
     kept state goes too: slower, never out of memory where offloading fits.
+
+    ``pace`` False (some of the allocator's memory is in fixed-size segments, see
+    ``gpu_memory.every_segment_remappable``): memory freed in the middle of the forward would leave holes
+    only requests that fit can use, so the step's end waits for what the forward's peak has no room for,
+    and a hook waits on the host, for the room up to the forward's top, only should the forecast not hold.
     """
 
-    def __init__(self, handle: Handle, model_chunks: Sequence[torch.nn.Module]) -> None:
+    def __init__(self, handle: Handle, model_chunks: Sequence[torch.nn.Module], pace: bool = True) -> None:
         self.handle = handle
+        self.pace = pace
         modules = {
             id(module): module
             for chunk in model_chunks
@@ -168,7 +174,7 @@ class RoomForForward:
     @property
     def paces(self) -> bool:
         """The profile is learned: the step may leave its copies out pending for the forward to pace."""
-        return not self.learning and bool(self.profile)
+        return self.pace and not self.learning and bool(self.profile)
 
     def before_forward(self, module: torch.nn.Module, args: Any) -> None:
         if not self.on_gpu:
@@ -193,7 +199,8 @@ class RoomForForward:
         allocated = allocated_bytes()
         grown = allocated - pending + self.profile[-1] - self.profile[index] - headroom
         if grown > 0:
-            self._release(None)
+            if pending:
+                self._release(None)
             if self.handle.kept_bytes():
                 self.handle.evict(grown)  # kept state out for good: the scheduler re-chooses after the step
                 self._release(None)
@@ -203,7 +210,9 @@ class RoomForForward:
     def _ahead(self, index: int) -> int:
         """What the forward adds from hook ``index`` to ``LOOKAHEAD`` hooks on, by the first forward's
         profile, with what a module allocates and frees between two hooks (the allocator's peak then); from
-        the profile's top on, up to the natural peak (the backward's, the step's)."""
+        the profile's top on, up to the natural peak (the backward's, the step's). Not pacing: up to the top."""
+        if not self.pace:
+            return max(0, self.profile[-1] - self.profile[index])
         if index < self.top:
             return max(0, self.peaks[min(index + LOOKAHEAD, self.top)] - self.profile[index])
         natural = self.handle.scheduler.natural
@@ -212,7 +221,11 @@ class RoomForForward:
     def _release(self, nbytes: int | None) -> None:
         self.waited += 1
         self.handle.count_hook_wait()
-        self.handle.release_offloads(nbytes)
+        if self.pace:
+            self.handle.release_offloads(nbytes)
+        else:
+            # On the host: only a landed copy frees memory that fixed-size segments can hand out whole.
+            self.handle.drain_offloads(nbytes)
 
     def new_iteration(self) -> None:
         """Called after every step: the first forward's profile is complete."""

@@ -3,7 +3,8 @@ offloads a ledger the hooks drain or release. What it proves: the first forward 
 lets everything land; a later forward as forecast never waits; one that starts with more copies out than
 its peak has room for releases them a few at a time, each just ahead of the memory it needs, never on
 the host; one that grew releases just what it needs, then offloads kept state; hooks sit on about SAMPLES
-modules and each lets the copies move."""
+modules and each lets the copies move. Where some memory is in fixed-size segments, no pacing: the step's
+end waits, and a hook waits on the host for the forward's whole room."""
 
 from __future__ import annotations
 
@@ -176,6 +177,21 @@ def test_a_forward_that_grew_waits_for_just_what_it_needs_then_evicts(room) -> N
     allocated["bytes"] = PROFILE[2] + slack + 2 * GIB  # more than all that is pending: kept state must go
     model[2](torch.zeros(1, 2))
     assert ledger.evicted and ledger.kept == 0 and ledger.released[-1] is None and ledger.drained == []
+
+
+def test_without_remappable_segments_the_step_end_waits_and_a_hook_drains_for_the_whole_forward(room) -> None:
+    hooks, ledger, allocated, model = room
+    hooks.pace = False  # some memory in fixed-size segments: a block freed mid-forward leaves a hole
+    learn(hooks, ledger, allocated, model)
+    assert not hooks.paces  # so the step's end waits on the host for what the peak has no room for
+    scheduler = ledger.scheduler
+    headroom = scheduler.limit() - scheduler.caching_gap - scheduler.margin()
+    ledger.pieces = [256 * MIB] * 12
+    allocated["bytes"] = PROFILE[0] + ledger.pending_offload_bytes()
+    model[0](torch.zeros(1, 2))
+    # One host wait at the first hook, for room up to the forward's top, not two hooks on; nothing released.
+    assert ledger.released == [] and len(ledger.drained) == 1 and ledger.drained[0] is not None
+    assert PROFILE[3] + ledger.pending_offload_bytes() <= headroom
 
 
 def test_hooks_sit_on_about_samples_modules_and_each_lets_the_copies_move(monkeypatch: pytest.MonkeyPatch) -> None:
