@@ -94,7 +94,10 @@ def every_segment_remappable() -> bool:
     pools (the device-mapped host memory's, CUDA graphs') are left out: activations and state never go there."""
     if not torch.cuda.is_available():
         return False
-    segments = torch.cuda.memory._snapshot()["segments"]
+    try:
+        segments = torch.cuda.memory._snapshot()["segments"]
+    except (AttributeError, RuntimeError):  # a torch without the snapshot: say no, the safe answer
+        return False
     return all(s.get("is_expandable", False) for s in segments if tuple(s.get("segment_pool_id", (0, 0))) == (0, 0))
 
 
