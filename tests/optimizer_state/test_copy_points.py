@@ -65,6 +65,16 @@ def offloader_with(streams: ManualStreams, count: int = 6) -> tuple[OptimizerSta
     )
     return offloader, masters
 
+def offloaded_once(streams: ManualStreams) -> tuple[OptimizerStateOffloader, list[torch.Tensor]]:
+    """An offloader whose state went out once and landed, every copy gate open."""
+    offloader, masters = offloader_with(streams)
+    offloader.offload()
+    streams.open_all()
+    offloader.copies.drain()
+    offloader.wait()
+    streams.open_all()
+    return offloader, masters
+
 
 def test_a_copy_whose_dependency_is_running_is_left_for_the_next_point() -> None:
     streams = ManualStreams()
@@ -111,12 +121,7 @@ def test_at_most_in_flight_copies_per_direction_and_memory_held_until_landed() -
 
 def test_a_failed_copy_is_named_at_the_next_point_and_the_chunk_keeps_whole_data() -> None:
     streams = ManualStreams()
-    offloader, masters = offloader_with(streams)
-    offloader.offload()
-    streams.open_all()
-    offloader.copies.drain()
-    offloader.wait()
-    streams.open_all()
+    offloader, masters = offloaded_once(streams)
     values = [master.detach().clone() for master in masters]
     offloader.offload(now=False)
     for gate in streams.marks:
@@ -159,12 +164,7 @@ def test_a_chunk_wanted_back_while_its_copy_out_runs_comes_back_without_a_copy()
 
 def test_a_released_copy_out_gives_its_block_back_before_it_lands_and_comes_back_by_a_copy() -> None:
     streams = DeviceWaitStreams()
-    offloader, masters = offloader_with(streams)
-    offloader.offload()
-    streams.open_all()
-    offloader.copies.drain()
-    offloader.wait()
-    streams.open_all()
+    offloader, masters = offloaded_once(streams)
     for chunk in offloader.chunks:
         offloader.hand_to_compute(chunk)
     streams.open_all()
