@@ -103,10 +103,6 @@ class StateScheduler:
 
     # ----------------------------------------------------------------------------- decisions
     @property
-    def learned(self) -> bool:
-        return self.natural is not None
-
-    @property
     def decided(self) -> bool:
         """What stays is decided: until then the steps' peaks are read with all state in host memory, so
         nothing may come back ahead of a step."""

@@ -30,7 +30,7 @@ def after_iteration_1(limit_gib: float, natural_gib: float, allocated_gib: float
 
 def test_nothing_is_decided_before_iteration_1_has_ended() -> None:
     ledger = scheduler(26)
-    assert not ledger.learned and ledger.kept is None
+    assert ledger.natural is None and not ledger.decided
     assert ledger.decide(STATE) == [0, 0]  # everything moves until it has measured
     assert ledger.backlog_budget(0) == 0  # and the first step lets every offload land
     assert ledger.room() == 0
