@@ -7,15 +7,18 @@ baseline's peak reserved less CAP_STATE_SHARE of the state: no offload must run 
 default (``--offload-optimizer-states`` alone) must fit with its peak reserved under the cap; ``cpu-offload``
 (megatron-core's HybridDeviceOptimizer, a reference, often unavailable without TransformerEngine). Each
 offload row's step time is held to its floor (benchmarks/memory_checks.py) and its losses to the
-baseline's, bitwise. The limits are configs/nightly_thresholds.yaml.
+baseline's, bitwise. The limits are configs/nightly_thresholds.yaml. The judged runs record no allocator
+history (it slows a step and widens its spread): memory_timeline.png comes from a short run of each of
+TIMELINES that ran through, the same command with --record-memory-history for TIMELINE_ITERS iterations.
 
     python -m benchmarks.compare_memory --config configs/nightly_memory.yaml --out DIR [--gpus N] [--iters N] \\
         [--thresholds FILE] [-- EXTRA MEGATRON ARGS]
     python -m benchmarks.compare_memory --from-logs DIR      # re-parse DIR/<run>.log (+ snapshots), rewrite the report
 
-Writes DIR/<run>.log, run_info.json, report.json, report.md, and (with matplotlib) peak_memory.png and
-memory_timeline.png. Exit status: 0 when every check passed, 1 when one failed, 2 on a usage error or when
-the baseline or step run failed.
+Writes DIR/<run>.log, DIR/<name>.timeline.log and DIR/<name>.snapshot.pickle (the timeline runs),
+run_info.json, report.json, report.md, and (with matplotlib) peak_memory.png and memory_timeline.png. Exit
+status: 0 when every check passed, 1 when one failed, 2 on a usage error or when the baseline or step run
+failed; a failed timeline run only leaves its line out of memory_timeline.png.
 """
 
 from __future__ import annotations
@@ -55,7 +58,9 @@ MUST_NOT_FIT = ("capped-no-offload",)
 REQUIRED = ("baseline", "step", "capped-default")  # judged; cpu-offload is only a reference
 NEEDED = ("baseline", "step")  # without these two no check means anything: no verdict
 CAP_STATE_SHARE = 0.5  # the cap: the baseline's peak reserved less this share of the optimizer state
-TIMELINES = ("baseline", "step", "capped-default")
+TIMELINES = ("baseline", "step", "capped-default")  # each also run briefly with the allocator's history
+TIMELINE_ITERS = 4  # the timeline runs' --train-iters: the warm-up, then steady iterations to take a window from
+HISTORY = "--record-memory-history"
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -97,17 +102,23 @@ def flags_of(name: str, cap: float | None) -> list[str]:
 
 
 def run_command(name: str, args: argparse.Namespace, extra: list[str]) -> list[str]:
-    """torchrun of scripts/pretrain_gpt.py, logging every iteration and dumping a memory snapshot."""
+    """torchrun of scripts/pretrain_gpt.py, logging every iteration and its memory."""
     iters = ["--train-iters", str(args.iters)] if args.iters else []
     return [
         *[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.gpus)],
         *["scripts/pretrain_gpt.py", "--config", str(args.config.resolve()), "--log-interval", "1"],
-        *["--log-memory-interval", "1", "--record-memory-history"],
-        *["--memory-snapshot-path", str((args.out / f"{name}.snapshot.pickle").resolve())],
+        *["--log-memory-interval", "1"],
         *iters,
         *flags_of(name, args.cap_gib),
         *extra,
     ]
+
+
+def timeline_command(name: str, args: argparse.Namespace, extra: list[str]) -> list[str]:
+    """A row's command with the allocator's history and a snapshot each iteration, for TIMELINE_ITERS
+    iterations: the last --train-iters wins in Megatron's argparse, so this one overrides --iters and the config."""
+    snapshot = ["--memory-snapshot-path", str((args.out / f"{name}.snapshot.pickle").resolve())]
+    return [*run_command(name, args, extra), HISTORY, *snapshot, "--train-iters", str(TIMELINE_ITERS)]
 
 
 def cap_from(baseline_log: Path, extra: list[str]) -> tuple[float | None, str]:
@@ -128,8 +139,11 @@ def run_all(args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
     names = [name for name in RUN_FLAGS if not (args.skip_cpu_offload and name == "cpu-offload")]
     info: dict[str, Any] = {"config": str(args.config), "gpus": args.gpus, "iters": args.iters, "extra_args": extra}
     info |= {"environment": environment(), "started": datetime.datetime.now().isoformat(timespec="seconds")}
-    info["runs"] = {}
-    with RunProgress(names) as progress:
+    info["runs"], info["timeline_runs"] = {}, {}
+    for name in TIMELINES:  # none left from an earlier night in the same folder
+        (args.out / f"{name}.snapshot.pickle").unlink(missing_ok=True)
+        (args.out / f"{name}.timeline.log").unlink(missing_ok=True)
+    with RunProgress(names + [f"{name}.timeline" for name in TIMELINES if name in names]) as progress:
         for name in names:
             if name in CAPPED and args.cap_gib is None:
                 args.cap_gib, why = cap_from(args.out / "baseline.log", extra)
@@ -137,18 +151,41 @@ def run_all(args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
                 if args.cap_gib is None:
                     info["runs"][name] = {"command": [], "returncode": None, "skipped": why}
                     continue
-            (args.out / f"{name}.snapshot.pickle").unlink(missing_ok=True)
             command = run_command(name, args, extra)
             info["runs"][name] = {"command": command, "returncode": run_one(name, command, args, progress)}
+        for name in TIMELINES:  # only rows that ran through (a capped one only once a cap was found)
+            if info["runs"].get(name, {}).get("returncode") != 0:
+                progress.finish(f"{name}.timeline", "not run: its row did not run through")
+                continue
+            command = timeline_command(name, args, extra)
+            code = run_one(f"{name}.timeline", command, args, progress)
+            info["timeline_runs"][name] = {"command": command, "returncode": code}
     (args.out / "run_info.json").write_text(json.dumps(info, indent=1))
     return info
 
 
-def write_plots(source: Path, out: Path, report: dict[str, Any], summaries: dict[str, Any]) -> None:
+def timeline_window(source: Path, name: str, summaries: dict[str, Any]) -> float | None:
+    """The ms of allocator trace to plot for ``name``: one median step of its timeline run (its last step where
+    the run is too short for a median); the row's own median where there is no timeline log (an older folder,
+    whose snapshots the judged rows dumped)."""
+    path = source / f"{name}.timeline.log"
+    if not path.is_file():
+        return summaries[name].median_step_ms
+    log = parse_log(path.read_text(errors="replace"))
+    window = summarize(log).median_step_ms or (log.steps[max(log.steps)].step_ms if log.steps else None)
+    return window or summaries[name].median_step_ms
+
+
+def write_plots(
+    source: Path, out: Path, report: dict[str, Any], summaries: dict[str, Any], timeline_runs: dict[str, Any]
+) -> None:
     """peak_memory.png and memory_timeline.png, or notes saying what is missing and why."""
     notes = report["notes"]
-    names = [name for name in TIMELINES if name in summaries]
-    windows = {name: summaries[name].median_step_ms for name in names}
+    failed = {name: run.get("returncode") for name, run in timeline_runs.items() if run.get("returncode") != 0}
+    for name, code in failed.items():
+        notes.append(f"memory_timeline.png leaves out {name}: its timeline run failed (exit {code})")
+    names = [name for name in TIMELINES if name in summaries and name not in failed]
+    windows = {name: timeline_window(source, name, summaries) for name in names}
     lines = timelines({name: source / f"{name}.snapshot.pickle" for name in names}, windows, notes)
     try:
         import matplotlib  # noqa: F401
@@ -202,6 +239,7 @@ def build_report(
         "runs": runs,
         "checks": [] if failed else [dataclasses.asdict(check) for check in checks],
         "verdict": "ERROR" if failed else "PASS" if all(check.passed for check in checks) else "FAIL",
+        "timeline_runs": info.get("timeline_runs", {}),
         "notes": notes,
     }
     for name in failed:
@@ -211,9 +249,17 @@ def build_report(
             notes.append(f"{name} did not run: {run['skipped']}")
     if "cpu-offload" in logs:
         notes.append("cpu-offload is a reference (megatron-core's own offloader): not judged, losses not compared")
-    if runs_info or any(source.glob("*.snapshot.pickle")):
+    commands = [run.get("command") or [] for run in runs_info.values()]
+    commands += [(log.command or "").split() for log in logs.values()]  # --from-logs without run_info.json
+    timeline_runs = info.get("timeline_runs", {})
+    if any(HISTORY in command for command in commands):
         notes.append("step times include the allocator-history recording and Megatron's snapshot dump per iteration")
-    write_plots(source, out, report, summaries)
+    elif timeline_runs or any(source.glob("*.timeline.log")):
+        notes.append(
+            "step times come from runs without the allocator's history; memory_timeline.png from separate "
+            f"{TIMELINE_ITERS}-iteration runs with it"
+        )
+    write_plots(source, out, report, summaries, timeline_runs)
     (out / "report.json").write_text(json.dumps(report, indent=1))
     (out / "report.md").write_text(render_markdown(report))
     return report, 2 if failed else 0 if report["verdict"] == "PASS" else 1
