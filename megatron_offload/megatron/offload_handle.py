@@ -69,9 +69,9 @@ class OffloadHandle:
             started += offloader.prefetch(room, landed_only=landed_only)
         return started
 
-    def moves(self) -> bool:
-        """Some state leaves the GPU between steps (not all of it kept)."""
-        return any(not chunk.kept for offloader in self.offloaders for chunk in offloader.chunks)
+    def moving_chunks(self) -> list[int]:
+        """The sizes of the chunks that leave the GPU between steps (those not kept)."""
+        return [chunk.nbytes for offloader in self.offloaders for chunk in offloader.chunks if not chunk.kept]
 
     def pending_offload_bytes(self) -> int:
         """GPU bytes still held by offloads under way."""

@@ -31,7 +31,7 @@ class Handle(Protocol):
     scheduler: StateScheduler
 
     def pump(self) -> None: ...
-    def moves(self) -> bool: ...
+    def moving_chunks(self) -> list[int]: ...
     def prefetch(self, max_bytes: int | None = None, landed_only: bool = False) -> int: ...
     def pending_offload_bytes(self) -> int: ...
     def drain_offloads(self, nbytes: int | None = None) -> None: ...
@@ -69,7 +69,8 @@ class PrefetchDuringBackward:
         self.step_started = False
         self.step_extra = 0  # what the step adds on top (streamed_step.footprint)
         self.sampled = False  # the last backward was read
-        self.active = True  # some state leaves the GPU (else nothing comes back: the hooks only pump)
+        self.moving = 0  # bytes that leave the GPU between steps (none: nothing comes back, the hooks only pump)
+        self.smallest = 0  # the smallest chunk among them: less room than this brings nothing back
         self.first_param: int | None = None  # id of the param whose gradient is ready first in a backward
         self.backwards = 0  # backwards begun in this iteration
         self.backwards_per_iteration: int | None = None
@@ -86,7 +87,7 @@ class PrefetchDuringBackward:
             return
         self.handle.pump()
         per_iteration = self.backwards_per_iteration
-        if not self.active or per_iteration is None or self.backwards < per_iteration - 1:
+        if not self.moving or per_iteration is None or self.backwards < per_iteration - 1:
             return
         last = self.backwards == per_iteration and self.in_last_microbatch()
         allocated = allocated_bytes()
@@ -105,7 +106,9 @@ class PrefetchDuringBackward:
         # At its start the step holds what it holds without state, its own buffers, all kept state (back
         # already, or newly kept and coming back then) and what came back early.
         room = min(room, scheduler.backward_room(self.at_step + self.step_extra + handle.kept_bytes()) - self.brought)
-        if room > 0:
+        # A call that could bring nothing back (all of it back already, or room for no chunk) walks every
+        # chunk for naught, in the backward's thread, at every hook.
+        if room >= self.smallest and self.brought < self.moving:
             self.brought += handle.prefetch(max_bytes=room, landed_only=True)
 
     def on_step_start(self) -> None:
@@ -126,7 +129,8 @@ class PrefetchDuringBackward:
         self.sampled, self.previous, self.brought, self.backwards = False, None, 0, 0
         self.step_started = False
         self.step_extra = self.handle.step_footprint()
-        self.active = self.handle.moves()
+        sizes = self.handle.moving_chunks()
+        self.moving, self.smallest = sum(sizes), max(1, min(sizes, default=0))
 
     def remove(self) -> None:
         for hook in self.hooks:

@@ -32,8 +32,8 @@ class Ledger:
     def pump(self) -> None:
         self.pumps += 1
 
-    def moves(self) -> bool:
-        return True
+    def moving_chunks(self) -> list[int]:
+        return [GIB] * 64
 
     def pending_offload_bytes(self) -> int:
         return sum(self.pieces)
@@ -257,3 +257,38 @@ def test_the_last_backward_leaves_room_at_the_step_for_all_kept_state(monkeypatc
     iteration()  # and is there all through this one
     assert ledger.resident == kept and ledger.asked == [room, room]
     assert natural_at_step + ledger.step_extra + kept + room <= 10 * GIB - ledger.scheduler.margin()
+
+
+@pytest.mark.parametrize("chunk_sizes", [[20 * GIB], [GIB // 4] * 2])
+def test_a_backward_hook_asks_for_nothing_it_could_not_bring_back(monkeypatch, chunk_sizes) -> None:
+    """Room for no chunk, or everything that left brought back already: the hook does not walk the chunks
+    (it runs at every sampled gradient, in the backward's thread)."""
+    allocated = {"bytes": GIB}
+    monkeypatch.setattr(pacing, "allocated_bytes", lambda: allocated["bytes"])
+    ledger = BackwardLedger(10 * GIB, step_extra=0)
+    ledger.moving_chunks = lambda: chunk_sizes
+    brought: list[int] = []
+
+    def prefetch(max_bytes: int | None = None, landed_only: bool = False) -> int:
+        ledger.asked.append(max_bytes)
+        brought.append(min(max_bytes, sum(chunk_sizes) - sum(brought)))
+        return brought[-1]
+
+    ledger.prefetch = prefetch
+    ledger.scheduler.start_step()
+    ledger.scheduler.observe_step_end(Peaks(4 * GIB, 4 * GIB), resident=0)
+    param = torch.nn.Parameter(torch.zeros(2))
+    hooks = pacing.PrefetchDuringBackward(ledger, [torch.nn.Linear(2, 2)], lambda: True)
+    hooks.on_gpu = True
+    for _ in range(3):  # learn the backwards per iteration, then the margin and the step
+        hooks.on_grad_ready(param)
+        hooks.on_step_start()
+        hooks.new_iteration()
+    ledger.asked.clear()
+    brought.clear()
+    for _ in range(4):  # four sampled gradients in one last backward
+        hooks.on_grad_ready(param)
+    if chunk_sizes[0] > 10 * GIB:
+        assert ledger.asked == []  # no chunk fits in any room under a 10 GiB limit
+    else:
+        assert len(ledger.asked) == 1 and sum(brought) == sum(chunk_sizes)  # then nothing is left to ask for
