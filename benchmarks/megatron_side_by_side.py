@@ -26,10 +26,10 @@ run slower: their times are never the ms/iter of the table. ``--profile-only`` r
 ``--sweep`` (memory_speed_curve.py) runs the memory-speed curve instead of the matrix: caps at the
 no-offload peak reserved less ``--caps`` percents of the state, 12 iterations a run, ms/iter the median
 of iterations 3-12; ``--global-batch 8`` (4 micro-batches of 2) or 32 (16). Runs: one uncapped no
-offload, one uncapped upstream, ours twice per cap (no offload and upstream under a cap follow from their
-uncapped runs). Estimate on one H100, start-up ~25 s (no offload), ~45-50 s (offloading) a run:
-global batch 8, caps 90 50 0: 8 runs, ~8 min; all five caps: 12 runs, ~12 min (over one 10-minute call:
-run ``--caps 75 25`` as a second call); global batch 32, caps 90 50: 6 runs, ~8 min. Each run's JSON
+offload, one uncapped upstream, ours (the default) once per cap (no offload and upstream under a cap follow
+from their uncapped runs). Estimate on one H100, start-up ~25 s (no offload), ~45-50 s (offloading) a run:
+global batch 8, caps 90 75 50 25 without upstream: 5 runs, ~5 min; all five caps with upstream: 7 runs,
+~7 min; global batch 32, caps 90 50: 4 runs, ~5 min. Each run's JSON
 and plot are written as it ends, so a call cut off still leaves the caps done. When nothing can run (no
 CUDA GPU, no Megatron-LM script at ``--megatron-lm``, no megatron.training) it stops at once, one line.
 
@@ -394,8 +394,8 @@ def sweep(args: argparse.Namespace, results: dict[str, Any], clients: dict[str, 
     """The memory-speed curve (memory_speed_curve.py): curve.json and curve.png under --out; status 1 when
     one of our offload rows did not run or its losses differ from no offload's."""
     estimate = curve.estimate_s(len(args.caps), (args.global_batch or 8) // 2, "upstream" in clients)
-    print(f"sweep: caps {args.caps}, about {estimate / 60:.1f} min ({1 + 2 * len(args.caps) + ('upstream' in clients)}"
-          " runs)", flush=True)  # fmt: skip
+    runs = 1 + len(curve.OURS) * len(args.caps) + ("upstream" in clients)
+    print(f"sweep: caps {args.caps}, about {estimate / 60:.1f} min ({runs} runs)", flush=True)
     flags = {"ours": OFFLOAD, "upstream": UPSTREAM_OFFLOAD}
     head = {key: results[key] for key in ("config", "client", "commit", "gpus", "upstream") if key in results}
     result = curve.run_sweep(args, clients, env, run, flags, head)

@@ -1,13 +1,13 @@
 """The memory-speed curve of ``megatron_side_by_side.py --sweep``: GPU memory caps at the no-offload
 peak reserved less a share of the optimizer state, one row per way of training, and the floor.
 
-Rows: ours with ``--offload-fraction auto``, ours with full offload (``auto`` prefetch), upstream's
-chunked offloader (Megatron-LM dev, its own loop; with ``--upstream-megatron-lm``) and no offload. The
+Rows: ours by default (``--offload-optimizer-states`` alone: only what the cap requires leaves the GPU),
+upstream's chunked offloader (Megatron-LM dev, its own loop; with ``--upstream-megatron-lm``) and no offload. The
 state is 12 bytes a parameter (fp32 master, Adam's two moments) of Megatron's own parameter count in the
 uncapped no-offload run, divided over data-parallel ranks. Each cell's ms/iter is the median of
 iterations 3-12; its ratio is to the uncapped no-offload run of the same invocation.
 
-Runs: one uncapped no-offload run, one uncapped upstream run, and ours twice per cap. Neither no offload
+Runs: one uncapped no-offload run, one uncapped upstream run, and ours once per cap. Neither no offload
 nor upstream's offloader reads the cap: under a cap at or above a row's uncapped peak reserved the
 allocator never reaches it (the run is the uncapped one), and under a cap below its uncapped peak
 allocated it cannot fit; those cells are taken from the uncapped run and say so (``derived``).
@@ -17,8 +17,9 @@ reach, stays "not run"). ``--run-every-cell`` runs no offload under every cap an
 The floor: under a cap that needs X bytes of state off the GPU at the activation peak, with gradient
 clipping on (the step starts only after the last backward), those X bytes cross out after the step and
 before the first micro-batch's forward reaches its peak: at best 1 + max(0, X / link - first forward) /
-iteration. The link is the one a run's log states, else ``--link-gbps`` (52 GB/s by default, said so in
-the JSON); the first forward a third of a micro-batch's share of the no-offload iteration (forward is
+iteration. The link is the one a run's log states, else the one our capped runs' copies out measured
+(offloaded bytes over copy-out time, the median of the runs), else ``--link-gbps`` (52 GB/s by default,
+said so in the JSON); the first forward a third of a micro-batch's share of the no-offload iteration (forward is
 about a third of forward and backward), else ``--first-forward-ms``.
 """
 
@@ -33,7 +34,7 @@ DEFAULT_CAPS = (90, 50, 0, 75, 25)  # most telling first: a call cut off at its 
 DEFAULT_LINK_GBPS = 52.0
 SWEEP_ITERS, MEDIAN_FROM = 12, 3  # ms/iter: the median of iterations 3-12
 NO_OFFLOAD, UPSTREAM_ROW = "no offload", "upstream chunked offload"
-OURS = {"fraction auto": ["--offload-fraction", "auto"], "full offload (auto)": []}
+OURS = {"default": []}  # the flags after --offload-optimizer-states of each of our rows
 # Wall-time model of one run (s): start-up, then iterations; the first two iterations ~2 s more.
 STARTUP_S = {"no offload": 25.0, "ours": 50.0, "upstream": 45.0}
 MICRO_BATCH_S, STEP_S, OFFLOAD_EXTRA_S = 0.15, 0.05, 0.3
@@ -62,11 +63,12 @@ def median_ms(figures: dict[str, Any]) -> float | None:
 
 
 def estimate_s(n_caps: int, micro_batches: int, upstream: bool) -> float:
-    """Expected wall time of a sweep: one no-offload run, ours twice per cap, upstream once."""
+    """Expected wall time of a sweep: one no-offload run, each of ours once per cap, upstream once."""
     iteration = MICRO_BATCH_S * micro_batches + STEP_S
     one = {kind: start + 2 + SWEEP_ITERS * iteration for kind, start in STARTUP_S.items()}
     offload = SWEEP_ITERS * OFFLOAD_EXTRA_S
-    return one["no offload"] + 2 * n_caps * (one["ours"] + offload) + (one["upstream"] + offload) * upstream
+    ours = len(OURS) * n_caps * (one["ours"] + offload)
+    return one["no offload"] + ours + (one["upstream"] + offload) * upstream
 
 
 def cell(figures: dict[str, Any], base: dict[str, Any] | None) -> dict[str, Any]:
@@ -151,6 +153,7 @@ def run_sweep(
     if "upstream" in clients:
         upstream_run = go("upstream", [*clients["upstream"], *tail, *flags["upstream"]], env)
     link = base_run.get("link_GBps") or (upstream_run or {}).get("link_GBps")
+    copied: list[float] = []  # the link each of our capped runs' copies out measured, GB/s
     forward_ms = args.first_forward_ms or base["ms_per_iter"] / micro_batches / 3
     for plan in cap_plan(base_run["peak_reserved_GiB"], state_gib, args.caps):
         cap = plan["cap_GiB"]
@@ -161,6 +164,7 @@ def run_sweep(
             figures = go(f"cap{plan['percent']}-{name.split()[0]}", argv)
             rows[name] = cell(figures, base)
             link = link or figures.get("link_GBps")
+            copied.extend(copy_out_gbps(figures))
         if upstream_run is not None:
             rows[UPSTREAM_ROW] = cap_blind(upstream_run, cap, cell(upstream_run, base)) or {
                 "outcome": "not run", "reason": "its uncapped peaks straddle the cap; our cap flag cannot reach "
@@ -171,17 +175,30 @@ def run_sweep(
         rows[NO_OFFLOAD] = derived
         result["caps"].append(plan | {"rows": rows})
         result["caps"].sort(key=lambda c: c["percent"])
-        finish(result, link, forward_ms, args)
+        finish(result, link, forward_ms, args, copied)
     return result
 
 
-def finish(result: dict[str, Any], link: float | None, forward_ms: float, args: Any) -> None:
+def copy_out_gbps(figures: dict[str, Any]) -> list[float]:
+    """The link one of our runs measured: its offloaded bytes over its copy-out time (GB/s); none where it
+    moved nothing or logged no copy time."""
+    out_ms = (figures.get("copy_out_in_ms") or [None])[0]
+    moved = figures.get("offloaded_GiB")
+    return [moved * GIB / (out_ms * 1e-3) / GB] if moved and out_ms else []
+
+
+def finish(result: dict[str, Any], link: float | None, forward_ms: float, args: Any, copied: list[float]) -> None:
     """The link and first forward used, each cap's floor, then the JSON and the plot, written now."""
     import json
 
-    result["link"] = {"GBps": link, "source": "logged by a run of this sweep"} if link else {
-        "GBps": args.link_gbps, "source": f"not measured in this run: --link-gbps {args.link_gbps:g}"
-        + (" (the default)" if args.link_gbps == DEFAULT_LINK_GBPS else "")}  # fmt: skip
+    if link:
+        result["link"] = {"GBps": link, "source": "logged by a run of this sweep"}
+    elif copied:
+        result["link"] = {"GBps": statistics.median(copied), "source": f"our copies out in this sweep (median of "
+                          f"{len(copied)} run{'s' if len(copied) > 1 else ''}: offloaded bytes / copy-out time)"}
+    else:
+        result["link"] = {"GBps": args.link_gbps, "source": f"not measured in this run: --link-gbps {args.link_gbps:g}"
+                          + (" (the default)" if args.link_gbps == DEFAULT_LINK_GBPS else "")}  # fmt: skip
     source = "--first-forward-ms" if args.first_forward_ms else "no-offload ms/iter / micro-batches / 3"
     result["first_forward"] = {"ms": forward_ms, "source": source}
     for plan in result["caps"]:

@@ -37,15 +37,17 @@ def test_the_floor() -> None:
     assert curve.floor_ratio(0.0, 52.0, 50.0, 600.0) == 1.0
 
 
-def test_the_estimate_counts_one_no_offload_run_ours_twice_per_cap_and_upstream_once() -> None:
+def test_the_estimate_counts_one_no_offload_run_ours_once_per_cap_and_upstream_once() -> None:
     two, five = curve.estimate_s(2, 4, True), curve.estimate_s(5, 4, True)
-    assert five - two == pytest.approx(3 * 2 * (curve.STARTUP_S["ours"] + 2 + 12 * (0.15 * 4 + 0.05 + 0.3)))
+    one_run = curve.STARTUP_S["ours"] + 2 + 12 * (0.15 * 4 + 0.05 + 0.3)
+    assert five - two == pytest.approx(3 * len(curve.OURS) * one_run)
     assert two < 9 * 60 and curve.estimate_s(2, 16, True) < 9 * 60
 
 
-def sweep_run(fits: float = 16.5, fraction_ms: float = 700.0):
+def sweep_run(fits: float = 16.5, fraction_ms: float = 700.0, copy_out_ms: dict[str, float] | None = None):
     """Stand-in for a job: no offload peaks at 26.4 GiB reserved; an offload run that needs more than
-    ``fits`` GiB under its cap runs out of memory; a capped no-offload run always does."""
+    ``fits`` GiB under its cap runs out of memory; a capped no-offload run always does. ``copy_out_ms``: the
+    copy-out time our run under each cap (by its flag's value) logs for 5 GiB moved (none: it logs none)."""
 
     def run(name: str, argv: list[str], gpus: int, out: Path, env_extra: dict | None = None) -> dict:
         flag = "--offload-gpu-memory-cap-gib"
@@ -53,14 +55,15 @@ def sweep_run(fits: float = 16.5, fraction_ms: float = 700.0):
         offload = "--offload-optimizer-states" in argv or "--chunked-optimizer-state-offload" in argv
         if cap is not None and (not offload or cap < fits):
             return {"argv": argv, "error": "torch.OutOfMemoryError: CUDA out of memory.", "did_not_fit": True}
-        ms = 600.0 if not offload else (fraction_ms if "--offload-fraction" in argv else 800.0)
+        ms = 600.0 if not offload else (800.0 if "--chunked-optimizer-state-offload" in argv else fraction_ms)
         return {
             "argv": argv, "returncode": 0, "losses": {i: 10.0 - i for i in range(1, 13)},
             "step_ms_by_iteration": {1: 3000.0, 2: 1500.0, **dict.fromkeys(range(3, 13), ms)},
             "peak_allocated_GiB": 26.2 if not offload else 15.6, "peak_reserved_GiB": 26.4 if not offload else 16.2,
             "parameters": PARAMETERS, "megatron_args": {"micro_batch_size": "2", "global_batch_size": "8",
                                                         "data_parallel_size": "1"},
-        }  # fmt: skip
+        } | ({"offloaded_GiB": 5.0, "copy_out_in_ms": [copy_out_ms[argv[argv.index(flag) + 1]], 99.0]}
+             if copy_out_ms and cap is not None and offload else {})  # fmt: skip
 
     return run
 
@@ -82,8 +85,10 @@ def test_the_sweep_writes_every_figure(monkeypatch: pytest.MonkeyPatch, tmp_path
     args = ["--upstream-megatron-lm", str(upstream), "--out", str(tmp_path), "--global-batch", "8"]
     code, calls = run_sweep(monkeypatch, [*args, "--caps", "90", "50", "0"], sweep_run())
     assert code == 0
-    # one uncapped no-offload run, one upstream run, ours twice per cap; no offload never under a cap
-    assert len(calls) == 2 + 2 * 3 and sum("--offload-optimizer-states" not in a for _, a in calls) == 2
+    # one uncapped no-offload run, one upstream run, ours (the default: the flag alone) once per cap; no
+    # offload never under a cap
+    assert len(calls) == 2 + 3 and sum("--offload-optimizer-states" not in a for _, a in calls) == 2
+    assert all("--offload-fraction" not in a and "--offload-prefetch" not in a for _, a in calls)
     assert all(a[a.index("--global-batch-size") + 1] == "8" and a[a.index("--train-iters") + 1] == "12"
                for _, a in calls)  # fmt: skip
     result = json.loads((tmp_path / "curve.json").read_text())
@@ -95,13 +100,33 @@ def test_the_sweep_writes_every_figure(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert tight["cap_GiB"] == pytest.approx(26.4 - 0.9 * STATE_GIB)
     forward = 600.0 / 4 / 3
     assert tight["floor_x"] == pytest.approx(1 + (0.9 * STATE_GIB * GIB / 52e9 * 1e3 - forward) / 600.0)
-    ours = tight["rows"]["fraction auto"]
+    ours = tight["rows"]["default"]
     assert ours["outcome"] == "ran" and ours["x_no_offload"] == pytest.approx(700 / 600) and ours["losses_equal"]
     assert ours["peak_reserved_GiB"] == 16.2
     assert tight["rows"]["no offload"]["outcome"] == "did not fit" and "derived" in tight["rows"]["no offload"]
     assert result["caps"][0]["rows"]["no offload"]["x_no_offload"] == 1.0  # cap 0%: its own uncapped run
     assert tight["rows"]["upstream chunked offload"]["x_no_offload"] == pytest.approx(800 / 600)
     assert "cap 90%" in (tmp_path / "curve.txt").read_text()
+
+
+def test_without_a_logged_link_the_floor_takes_the_one_our_copies_out_measured(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    times: dict[str, float] = {}
+
+    def run(name: str, argv: list[str], gpus: int, out: Path, env_extra: dict | None = None) -> dict:
+        flag = "--offload-gpu-memory-cap-gib"
+        if flag in argv:  # three capped runs of ours: 5 GiB out in 100, 125 and 80 ms
+            times.setdefault(argv[argv.index(flag) + 1], [100.0, 125.0, 80.0][len(times)])
+        return sweep_run(copy_out_ms=times)(name, argv, gpus, out, env_extra)
+
+    code, _ = run_sweep(monkeypatch, ["--out", str(tmp_path), "--caps", "90", "75", "50"], run)
+    result = json.loads((tmp_path / "curve.json").read_text())
+    assert code == 0 and result["link"]["GBps"] == pytest.approx(5 * GIB / 0.1 / 1e9)  # the median run's
+    assert result["link"]["source"].startswith("our copies out in this sweep (median of 3 runs")
+    tight = result["caps"][2]
+    forward = 600.0 / 4 / 3
+    assert tight["floor_x"] == pytest.approx(1 + (0.9 * STATE_GIB * GIB / (5 * GIB / 0.1) * 1e3 - forward) / 600.0)
 
 
 def test_the_sweep_plots_its_curve(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -121,7 +146,7 @@ def test_a_capped_no_offload_run_that_fails_is_did_not_fit(monkeypatch: pytest.M
 def test_ours_not_fitting_fails_the_sweep(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     code, _ = run_sweep(monkeypatch, ["--out", str(tmp_path), "--caps", "90"], sweep_run(fits=20.0))
     assert code == 1
-    assert json.loads((tmp_path / "curve.json").read_text())["caps"][0]["rows"]["fraction auto"]["outcome"] == (
+    assert json.loads((tmp_path / "curve.json").read_text())["caps"][0]["rows"]["default"]["outcome"] == (
         "did not fit"
     )
 
