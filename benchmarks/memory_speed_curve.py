@@ -194,8 +194,11 @@ def finish(result: dict[str, Any], link: float | None, forward_ms: float, args: 
     if link:
         result["link"] = {"GBps": link, "source": "logged by a run of this sweep"}
     elif copied:
-        result["link"] = {"GBps": statistics.median(copied), "source": f"our copies out in this sweep (median of "
-                          f"{len(copied)} run{'s' if len(copied) > 1 else ''}: offloaded bytes / copy-out time)"}
+        result["link"] = {
+            "GBps": statistics.median(copied),
+            "source": f"our copies out in this sweep (median of "
+            f"{len(copied)} run{'s' if len(copied) > 1 else ''}: offloaded bytes / copy-out time)",
+        }
     else:
         result["link"] = {"GBps": args.link_gbps, "source": f"not measured in this run: --link-gbps {args.link_gbps:g}"
                           + (" (the default)" if args.link_gbps == DEFAULT_LINK_GBPS else "")}  # fmt: skip

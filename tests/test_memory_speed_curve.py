@@ -146,9 +146,7 @@ def test_a_capped_no_offload_run_that_fails_is_did_not_fit(monkeypatch: pytest.M
 def test_ours_not_fitting_fails_the_sweep(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     code, _ = run_sweep(monkeypatch, ["--out", str(tmp_path), "--caps", "90"], sweep_run(fits=20.0))
     assert code == 1
-    assert json.loads((tmp_path / "curve.json").read_text())["caps"][0]["rows"]["default"]["outcome"] == (
-        "did not fit"
-    )
+    assert json.loads((tmp_path / "curve.json").read_text())["caps"][0]["rows"]["default"]["outcome"] == ("did not fit")
 
 
 def test_without_matplotlib_the_json_says_so(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -332,10 +332,7 @@ def test_offload_flags_without_the_switch_are_listed_as_ignored() -> None:
     parser = add_offload_args(argparse.ArgumentParser())
     assert ignored_offload_flags(parser.parse_args([])) == []
     assert ignored_offload_flags(parser.parse_args(["--offload-gpu-memory-cap-gib", "8"])) == []
-    args = parser.parse_args(
-        ["--offload-fraction", "0.5", "--no-offload-master-weights", "--offload-prefetch", "step"]
-    )
+    args = parser.parse_args(["--offload-fraction", "0.5", "--no-offload-master-weights", "--offload-prefetch", "step"])
     assert ignored_offload_flags(args) == ["--no-offload-master-weights", "--offload-prefetch", "--offload-fraction"]
     args = parser.parse_args(["--offload-optimizer-states", "--offload-fraction", "0.5"])
     assert ignored_offload_flags(args) == []
-

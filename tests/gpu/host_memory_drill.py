@@ -375,9 +375,7 @@ def run_in_megatron(name: str) -> None:
     runpy.run_path(str(ROOT / "scripts" / "pretrain_gpt.py"))["main"]()  # as users run it: --config expanded
 
 
-def megatron_run(
-    name: str, args: list[str], out: Path, offload: bool = True
-) -> tuple[drill_runs.Outcome, list[str]]:
+def megatron_run(name: str, args: list[str], out: Path, offload: bool = True) -> tuple[drill_runs.Outcome, list[str]]:
     """One bounded torchrun of this file with ``--megatron NAME``: how it ended, and a failure if stopped."""
     tiny = TINY if offload else [arg for arg in TINY if arg != "--offload-optimizer-states"]
     command = [*drill_runs.torchrun(1), "-m", "tests.gpu.host_memory_drill", "--megatron", name, *tiny, *args]

@@ -65,6 +65,7 @@ def offloader_with(streams: ManualStreams, count: int = 6) -> tuple[OptimizerSta
     )
     return offloader, masters
 
+
 def offloaded_once(streams: ManualStreams) -> tuple[OptimizerStateOffloader, list[torch.Tensor]]:
     """An offloader whose state went out once and landed, every copy gate open."""
     offloader, masters = offloader_with(streams)

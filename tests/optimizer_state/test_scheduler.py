@@ -170,8 +170,10 @@ def test_the_line_counts_gpu_memory_alone_where_weights_live_in_device_mapped_ho
     ledger = StateScheduler(lambda: 24 * GIB + mapped)  # what memory_limit_bytes gives under a 24 GiB cap
     ledger.start_step()
     line = ledger.too_small(peak_reserved=int(6.25 * GIB), asked=192 * GIB, state_bytes=31 * GIB)
-    assert line.endswith("training needs at least 198.25 GiB without it (6.25 GiB reserved at the peak + "
-                         "192.00 GiB asked) and the memory limit is 24.00 GiB")
+    assert line.endswith(
+        "training needs at least 198.25 GiB without it (6.25 GiB reserved at the peak + "
+        "192.00 GiB asked) and the memory limit is 24.00 GiB"
+    )
     ledger.observe_step_end(Peaks(allocated=mapped + 14 * GIB, reserved=mapped + 16 * GIB), resident=0)
     ledger.decide([[GIB] * 31])
     assert "memory limit 24.00 GiB, peak without state 16.00 GiB reserved" in ledger.explain(31 * GIB)
