@@ -23,9 +23,8 @@ from typing import Any
 
 import yaml
 
-from benchmarks.memory_report import GIB, RunLog, RunSummary, number
+from benchmarks.memory_report import GB, GIB, RunLog, RunSummary, copy_gbps, number
 
-GB = 1e9
 CAP_FLAG = "--offload-gpu-memory-cap-gib"
 OFFLOAD_ROWS = ("step", "capped-default")  # the rows that move state, with a floor and bitwise losses
 RETURN_HIDDEN = {"step": False, "capped-default": True}  # whether the state's return overlaps the last backward
@@ -94,10 +93,7 @@ def floor_of(name: str, row: RunSummary, base: RunSummary, base_log: RunLog) -> 
     """A row's floor (module docstring): the bytes that crossed, each way's link, the hidden compute, the floor."""
     crossed = (row.offloaded_gib or 0.0) * GIB
 
-    def link(ms: float | None) -> float | None:  # GB/s
-        return crossed / (ms * 1e-3) / GB if crossed and ms else None
-
-    out, back, parts = link(row.copy_out_ms), link(row.copy_in_ms), micro_batches(base_log)
+    out, back, parts = copy_gbps(crossed, row.copy_out_ms), copy_gbps(crossed, row.copy_in_ms), micro_batches(base_log)
     floor: dict[str, float | None] = {"crossed_gib": crossed / GIB, "link_out_gbps": out, "link_in_gbps": back}
     if base.median_step_ms is None or parts is None or (crossed and (out is None or back is None)):
         return floor | {"forward_ms": None, "return_hidden_ms": None, "floor_ms": None}

@@ -15,6 +15,15 @@ from typing import Any
 
 MIB = 1024**2
 GIB = 1024**3
+GB = 1e9
+
+
+def copy_gbps(nbytes: float | None, ms: float | None) -> float | None:
+    """The link a run's copies measured, in GB/s: the bytes it logged as moved over the copy time it logged;
+    None where it moved nothing or logged no time."""
+    return nbytes / (ms * 1e-3) / GB if nbytes and ms else None
+
+
 WARMUP_ITERATIONS = 2  # start-up allocations and kernel autotuning land in the first iterations
 
 _ITERATION = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|(.*)")

@@ -29,7 +29,8 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-GIB, GB = 1024**3, 1e9
+from benchmarks.memory_report import GB, GIB, copy_gbps
+
 DEFAULT_CAPS = (90, 50, 0, 75, 25)  # most telling first: a call cut off at its limit still leaves a curve
 DEFAULT_LINK_GBPS = 52.0
 SWEEP_ITERS, MEDIAN_FROM = 12, 3  # ms/iter: the median of iterations 3-12
@@ -182,9 +183,8 @@ def run_sweep(
 def copy_out_gbps(figures: dict[str, Any]) -> list[float]:
     """The link one of our runs measured: its offloaded bytes over its copy-out time (GB/s); none where it
     moved nothing or logged no copy time."""
-    out_ms = (figures.get("copy_out_in_ms") or [None])[0]
-    moved = figures.get("offloaded_GiB")
-    return [moved * GIB / (out_ms * 1e-3) / GB] if moved and out_ms else []
+    link = copy_gbps((figures.get("offloaded_GiB") or 0) * GIB, (figures.get("copy_out_in_ms") or [None])[0])
+    return [link] if link else []
 
 
 def finish(result: dict[str, Any], link: float | None, forward_ms: float, args: Any, copied: list[float]) -> None:
