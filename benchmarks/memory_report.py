@@ -46,6 +46,7 @@ class Step:
     exposed_ms: float | None = None
     peak_allocated_gib: float | None = None
     peak_reserved_gib: float | None = None
+    allocator_retries: int | None = None  # the caching allocator's retries under the limit since the last line
 
 
 @dataclass
@@ -123,6 +124,7 @@ def parse_log(text: str) -> RunLog:
                 exposed_ms=number(values.get("offload exposed (ms)")),
                 peak_allocated_gib=number(peaks[0]) if len(peaks) == 2 else None,
                 peak_reserved_gib=number(peaks[1]) if len(peaks) == 2 else None,
+                allocator_retries=int(values["allocator retries"]) if "allocator retries" in values else None,
             )
         elif match := _MEMORY.search(line):
             values = {name: float(value) for name, value in _fields(match[3]).items()}

@@ -82,6 +82,10 @@ def cell(figures: dict[str, Any], base: dict[str, Any] | None) -> dict[str, Any]
     for key in ("peak_reserved_GiB", "peak_allocated_GiB", "offloaded_GiB", "link_GBps", "wall_s"):
         if figures.get(key) is not None:
             row[key] = figures[key]
+    retries = [n for i, n in (figures.get("allocator_retries_by_iteration") or {}).items()
+               if MEDIAN_FROM <= int(i) <= SWEEP_ITERS and n is not None]  # fmt: skip
+    if retries:  # the caching allocator ran short under the cap in the timed iterations: each a stall
+        row["allocator_retries"] = sum(retries)
     if base and ms is not None and base.get("ms_per_iter"):
         row["x_no_offload"] = ms / base["ms_per_iter"]
         row["losses_equal"] = figures.get("losses") == base.get("losses")
@@ -266,5 +270,6 @@ def table(result: dict[str, Any]) -> str:
             equal = {True: "losses equal", False: "losses DIFFER", None: ""}[row.get("losses_equal")]
             lines.append(f"  {name:26} {row['ms_per_iter']:8.1f} ms  x{row.get('x_no_offload', 0):.3f}  "
                          f"peak reserved {row.get('peak_reserved_GiB', 0):.2f} GiB  {equal}"
+                         + (f"  allocator retries {row['allocator_retries']}" if row.get("allocator_retries") else "")
                          + ("  (from its uncapped run)" if "derived" in row else ""))  # fmt: skip
     return "\n".join(lines) + "\n"

@@ -51,18 +51,25 @@ def test_shipped_configs_expand() -> None:
 def test_log_fields_average_over_the_interval() -> None:
     before = OffloadStats(offloads=10, offload_seconds=1.0, prefetch_seconds=2.0, exposed_seconds=0.5)
     now = OffloadStats(
-        offloads=12, offload_seconds=1.2, prefetch_seconds=2.3, exposed_seconds=0.6, host_bytes=3 * 1024**3
+        offloads=12,
+        offload_seconds=1.2,
+        prefetch_seconds=2.3,
+        exposed_seconds=0.6,
+        host_bytes=3 * 1024**3,
+        allocator_retries=3,
     )
     fields = format_offload_fields(now, before, MemoryReading(1024**3, 2 * 1024**3, 5 * 1024**3, 6 * 1024**3))
     assert "offloaded per rank (GiB): 3.00 |" in fields
     assert "offload copy out/in (ms): 100.0/150.0 |" in fields
     assert "offload exposed (ms): 50.0 |" in fields
+    assert "allocator retries: 3 |" in fields  # since the line before, not averaged
     assert "mem allocated/reserved (GiB): 1.00/2.00 |" in fields
     assert "mem peak allocated/reserved (GiB): 5.00/6.00 |" in fields
     from benchmarks.memory_report import parse_log
 
     step = parse_log(f" [2026-11-23] iteration        5/      20 | lm loss: 1.0E+01 |{fields}").steps[5]
     assert (step.peak_allocated_gib, step.peak_reserved_gib, step.offloaded_gib) == (5.0, 6.0, 3.0)
+    assert step.allocator_retries == 3
 
 
 def test_launcher_usage_and_missing_script(capsys: pytest.CaptureFixture[str]) -> None:

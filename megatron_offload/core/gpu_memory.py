@@ -31,6 +31,7 @@ from megatron_offload.core.units import GIB
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "allocator_retries",
     "apply_memory_cap",
     "expandable_segments_from_now",
     "every_segment_remappable",
@@ -164,3 +165,12 @@ def memory_limit_bytes(device: torch.device | int | None, cap_bytes: int | None 
         return int(fraction * torch.cuda.get_device_properties(index).total_memory)
     free, _ = torch.cuda.mem_get_info(index)
     return torch._C._cuda_memoryStats(index)["reserved_bytes"]["all"]["current"] + free
+
+
+def allocator_retries(device: torch.device | int | None = None) -> int:
+    """Times the caching allocator has run out of room under the limit and retried since the process began:
+    each retry synchronizes every stream (the host waits for every copy in flight) and hands its cached
+    memory back to the driver, which later requests map again. One allocator statistic, no flattening."""
+    index = device if isinstance(device, int) or device is None else device.index
+    index = torch.cuda.current_device() if index is None else index
+    return int(torch._C._cuda_memoryStats(index).get("num_alloc_retries", 0))

@@ -35,6 +35,7 @@ class OffloadStats:
     pinned: bool = True
     hook_waits: int = 0  # times a forward's hook had copies out waited for (on the device; on the host in iteration 1)
     step_backlog_bytes: int = 0  # offload copies still pending when the latest step returned
+    allocator_retries: int = 0  # the caching allocator ran out of room under the limit (process-wide, since start)
     peak_allocated_bytes: int = 0  # ``torch.cuda.max_memory_allocated`` since its last reset
     peak_reserved_bytes: int = 0  # ``max_memory_reserved``: what the GPU really had to hold
 

@@ -161,6 +161,7 @@ class OffloadHandle:
         """Totals over every DistributedOptimizer on this rank (the peaks are the device's)."""
         total = totals(offloader.read_stats() for offloader in self.offloaders)
         total.hook_waits, total.step_backlog_bytes = self.hook_waits, self.step_backlog_bytes
+        total.allocator_retries = self.decision.retries
         return total
 
     def detach(self) -> None:

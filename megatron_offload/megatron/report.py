@@ -31,6 +31,7 @@ def format_offload_fields(current: OffloadStats, previous: OffloadStats, memory:
         f" kept on GPU (GiB): {current.kept_bytes / GIB:.2f} |"
         f" offload copy out/in (ms): {per_step_ms('offload_seconds'):.1f}/{per_step_ms('prefetch_seconds'):.1f} |"
         f" offload exposed (ms): {per_step_ms('exposed_seconds'):.1f} |"
+        f" allocator retries: {current.allocator_retries - previous.allocator_retries} |"
         f" mem allocated/reserved (GiB): {memory.allocated / GIB:.2f}/{memory.reserved / GIB:.2f} |"
         f" mem peak allocated/reserved (GiB): {memory.peak_allocated / GIB:.2f}/{memory.peak_reserved / GIB:.2f} |"
     )
