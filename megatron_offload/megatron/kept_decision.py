@@ -2,7 +2,7 @@
 what fits under the limit (the default), nothing (``--offload-prefetch step``), or a fixed fraction's share,
 refused in one line when it does not fit. Decided once, when iteration 2's step has ended (the peaks of
 iterations 1 and 2, the state all in host memory then), in whole chunks rounded down; only lowered after (the
-peak grew, memory ran short, the caching allocator retried under the limit).
+peak grew, memory ran short).
 
 Why iteration 2: iteration 1's step makes Adam's moments, so it streams only the masters, through staging a
 third of the size later steps use (with weight streaming also without the stage's buffers). Iteration 2's
@@ -17,7 +17,6 @@ from collections.abc import Callable, Sequence
 import torch
 
 from megatron_offload.config.options import AUTO, OffloadConfig, PrefetchPolicy
-from megatron_offload.core.gpu_memory import allocator_retries
 from megatron_offload.core.units import GIB
 from megatron_offload.optimizer_state.offloader import OptimizerStateOffloader
 from megatron_offload.optimizer_state.scheduler import Peaks, StateScheduler, whole_chunks
@@ -45,7 +44,6 @@ class KeptDecision:
         self.keeps_none = config.fraction == AUTO and not self.elastic
         self.say = say
         self.steps = 0  # steps that ran (skipped by the loss scale or not)
-        self.retries = 0  # the caching allocator's retries, as read at the latest step's end (the log shows them)
 
     @staticmethod
     def kept_bytes(offloaders: Offloaders) -> int:
@@ -61,12 +59,8 @@ class KeptDecision:
         once, after those steps, lowered if the peak grows."""
         peaks = Peaks(torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
         grew = self.scheduler.observe_step_end(peaks, resident=self.kept_bytes(offloaders) + brought)
-        now = allocator_retries()
-        retries, self.retries = now - self.retries, now
         self.steps += stepped
-        first = stepped and self.steps >= LEARNING_STEPS and self.scheduler.kept is None
-        # The peak grew, or the iteration since the last step's end had the allocator retry: keep less.
-        if first or (self.scheduler.decided and (grew or self.scheduler.observe_retries(retries))):
+        if stepped and self.steps >= LEARNING_STEPS and (grew or self.scheduler.kept is None):
             self.decide(offloaders)
 
     def lowered(self, offloaders: Offloaders) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from megatron_offload.config.options import OffloadConfig, PrefetchPolicy
-from megatron_offload.core.gpu_memory import memory_limit_bytes
+from megatron_offload.core.gpu_memory import allocator_retries, memory_limit_bytes
 from megatron_offload.core.stats import OffloadStats, totals
 from megatron_offload.megatron.finalize_prefetch import PrefetchOnFinalize, wrap_finalize_functions
 from megatron_offload.megatron.kept_decision import KeptDecision
@@ -161,7 +161,8 @@ class OffloadHandle:
         """Totals over every DistributedOptimizer on this rank (the peaks are the device's)."""
         total = totals(offloader.read_stats() for offloader in self.offloaders)
         total.hook_waits, total.step_backlog_bytes = self.hook_waits, self.step_backlog_bytes
-        total.allocator_retries = self.decision.retries
+        # Process-wide, read when a log line asks: each retry stalled the host behind every copy in flight.
+        total.allocator_retries = allocator_retries() if self.on_cuda else 0
         return total
 
     def detach(self) -> None:

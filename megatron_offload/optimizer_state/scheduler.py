@@ -10,8 +10,7 @@ resident, passing it).
 
 From these it decides, in bytes, ``kept``: the state that stays on the GPU, whole chunks from the
 back of each offloader, never more than the limit leaves beside the natural peak and a margin
-(rounded down), decided once and only lowered after (the peak grew, a forward had to evict, or the caching
-allocator ran short of room under the limit and retried: see ``observe_retries``). With
+(rounded down), decided once and only lowered after (the peak grew, or a forward had to evict). With
 room to spare that is all of it and nothing moves; where the whole state fits nowhere, none.
 It also bounds the copies a step may leave pending (``backlog_budget``) and what may come back in
 the last backward (``backward_room``).
@@ -29,8 +28,6 @@ __all__ = ["Peaks", "StateScheduler", "whole_chunks"]
 
 MARGIN_SHARE = 0.03  # of the limit, kept free for what no reading sees (allocator rounding, spikes)
 MIN_MARGIN_BYTES = 128 * MIB
-RETRY_SHARE = 0.02  # of the limit: kept free on top of the margin after each iteration whose allocator retried
-MAX_SLACK_SHARE = 0.12  # of the limit: the most the allocator's retries widen the margin by
 
 
 @dataclass(frozen=True)
@@ -80,7 +77,6 @@ class StateScheduler:
         self._last_peaks: Peaks | None = None  # the process's peaks when the latest step ended
         self.grown = 0  # bytes the natural peak grew by after iteration 1
         self.kept: list[int] | None = None  # bytes each offloader keeps on the GPU; None: not decided yet
-        self.slack = 0  # bytes kept free beyond the margin because the caching allocator retried under the limit
 
     # ------------------------------------------------------------------------------ learning
     def start_step(self) -> None:
@@ -105,22 +101,6 @@ class StateScheduler:
         self.natural = Peaks(allocated, reserved)
         return True
 
-    def observe_retries(self, retries: int) -> bool:
-        """After a step of a decided iteration: the caching allocator ran out of room under the limit
-        ``retries`` times in it. Reserved memory runs ahead of what the readings count (pieces freed
-        between activations serve only requests that fit), and each retry stalls the host behind every
-        copy in flight and unmaps the cache, which later requests map again: the memory the decision
-        leaves free widens by ``RETRY_SHARE`` of the limit, up to ``MAX_SLACK_SHARE``. True when it did
-        (decide again: what stays is lowered)."""
-        if not retries or not self.decided:
-            return False  # before the decision the whole state is in host memory: nothing to lower
-        limit = self.limit()
-        widened = min(self.slack + int(RETRY_SHARE * limit), int(MAX_SLACK_SHARE * limit))
-        if widened <= self.slack:
-            return False
-        self.slack = widened
-        return True
-
     # ----------------------------------------------------------------------------- decisions
     @property
     def decided(self) -> bool:
@@ -134,8 +114,7 @@ class StateScheduler:
         return self._limit() if self._limit_now is None else self._limit_now
 
     def margin(self, limit: int | None = None) -> int:
-        """Bytes kept free under the limit: a share of it, and what the allocator's retries showed it needs."""
-        return max(MIN_MARGIN_BYTES, int(MARGIN_SHARE * (self.limit() if limit is None else limit))) + self.slack
+        return max(MIN_MARGIN_BYTES, int(MARGIN_SHARE * (self.limit() if limit is None else limit)))
 
     def room(self) -> int:
         """Bytes the natural peak leaves under the limit, less the margin (nothing learned: 0)."""
@@ -183,11 +162,10 @@ class StateScheduler:
         limit, kept = self.limit(), self.kept_total
         natural = gpu_only(self.natural.reserved) if self.natural else 0
         grown = f" (grew by {self.grown / GIB:.2f} GiB since iteration 1)" if self.grown else ""
-        slack = f" ({self.slack / GIB:.2f} GiB of it since the allocator ran short and retried)" if self.slack else ""
         return (
             f"megatron-offload: keeps {kept / GIB:.2f} of {state_bytes / GIB:.2f} GiB of optimizer state on the "
             f"GPU and moves {(state_bytes - kept) / GIB:.2f} GiB: memory limit {gpu_only(limit) / GIB:.2f} GiB, peak "
-            f"without state {natural / GIB:.2f} GiB reserved{grown}, margin {self.margin(limit) / GIB:.2f} GiB{slack}"
+            f"without state {natural / GIB:.2f} GiB reserved{grown}, margin {self.margin(limit) / GIB:.2f} GiB"
         )
 
     def too_small(self, peak_reserved: int, asked: int, state_bytes: int) -> str:

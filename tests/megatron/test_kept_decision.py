@@ -10,7 +10,7 @@ import torch
 from megatron_offload import OptimizerStateOffloader
 from megatron_offload.config.options import OffloadConfig
 from megatron_offload.core.units import GIB
-from megatron_offload.megatron import kept_decision
+from megatron_offload.megatron import offload_handle
 from megatron_offload.megatron.kept_decision import LEARNING_STEPS
 from megatron_offload.megatron.optimizer_adapter import OffloadFitError, OffloadHandle
 from megatron_offload.optimizer_state.scheduler import StateScheduler
@@ -45,7 +45,7 @@ def handle_with_room(
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: peak)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: peak)
     retries.clear()
-    monkeypatch.setattr(kept_decision, "allocator_retries", lambda: len(retries))  # the allocator's counter
+    monkeypatch.setattr(offload_handle, "allocator_retries", lambda: len(retries))  # the allocator's counter
     return handle
 
 
@@ -106,31 +106,17 @@ def test_the_decision_is_made_once_and_only_lowered(monkeypatch: pytest.MonkeyPa
     assert handle.kept_bytes() <= handle.scheduler.room() < lowered
 
 
-def test_allocator_retries_lower_what_stays_until_they_stop(monkeypatch: pytest.MonkeyPatch, offloaders) -> None:
-    """Reserved memory runs ahead of the readings under a cap: each iteration in which the caching allocator
-    retried widens the free margin and lowers what stays; an iteration without retries changes nothing."""
+def test_allocator_retries_are_reported_and_leave_the_decision(monkeypatch: pytest.MonkeyPatch, offloaders) -> None:
+    """The log line counts the caching allocator's retries under the limit; what stays is decided by the
+    peaks alone (keeping less on retries cost more link time than the retries did)."""
     state = sum(offloader.plan.full_bytes() for offloader in offloaders)
     handle = handle_with_room(monkeypatch, offloaders, state // 2)
-    retries.append(1)  # a retry before the decision (the whole state in host memory): nothing to lower
     iteration(handle)
     first = handle.kept_bytes()
-    assert first > 0 and handle.scheduler.slack == 0
-    seen = [first]
-    for _ in range(3):
-        retries.extend([1, 1])  # this iteration's allocator ran short twice
-        iteration(handle)
-        seen.append(handle.kept_bytes())
-        assert handle.scheduler.kept_total == seen[-1] <= handle.scheduler.room()
-    assert seen[-1] < first and seen == sorted(seen, reverse=True)
-    assert handle.scheduler.slack == 3 * int(0.02 * LIMIT)
-    assert handle.read_stats().allocator_retries == 7
-    assert "since the allocator ran short and retried" in handle_lines[-1]
-    iteration(handle)  # no retry: the decision stands
-    assert handle.kept_bytes() == seen[-1]
-    for _ in range(10):  # retries that do not stop widen it no further than MAX_SLACK_SHARE of the limit
-        retries.append(1)
-        iteration(handle)
-    assert handle.scheduler.slack == int(0.12 * LIMIT)
+    assert first > 0 and handle.read_stats().allocator_retries == 0
+    retries.extend([1, 1, 1])  # this iteration's allocator ran short three times
+    iteration(handle)
+    assert handle.read_stats().allocator_retries == 3 and handle.kept_bytes() == first
 
 
 def test_step_keeps_nothing(monkeypatch: pytest.MonkeyPatch, offloaders: list) -> None:

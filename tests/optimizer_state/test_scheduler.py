@@ -135,22 +135,6 @@ def test_backward_room_leaves_the_margin_and_the_allocator_cache() -> None:
     assert ledger.backward_room(allocated=10 * GIB) == 26 * GIB - ledger.margin() - GIB - 10 * GIB
 
 
-def test_allocator_retries_widen_the_margin_only_once_decided() -> None:
-    ledger = after_iteration_1(26, natural_gib=20)
-    assert not ledger.observe_retries(3)  # nothing decided: the whole state is in host memory
-    first = ledger.decide(STATE)
-    margin, room = ledger.margin(), ledger.room()
-    assert not ledger.observe_retries(0)
-    assert ledger.observe_retries(1)
-    assert ledger.margin() == margin + int(0.02 * 26 * GIB) and ledger.room() == room - int(0.02 * 26 * GIB)
-    assert ledger.backward_room(allocated=10 * GIB) == 26 * GIB - ledger.margin() - 10 * GIB  # backward leaves it too
-    second = ledger.decide(STATE)
-    assert sum(second) <= ledger.room() < sum(first) and all(b <= a for a, b in zip(first, second, strict=True))
-    while ledger.observe_retries(1):
-        pass
-    assert ledger.slack == int(0.12 * 26 * GIB)  # at most MAX_SLACK_SHARE of the limit
-
-
 def test_a_small_limit_still_keeps_the_least_margin() -> None:
     ledger = scheduler(4)
     assert ledger.margin() == MIN_MARGIN_BYTES
