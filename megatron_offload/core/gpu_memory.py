@@ -152,13 +152,18 @@ def gpu_only(nbytes: int, allocated: bool = False) -> int:
     return max(0, nbytes - (mapped_allocated_bytes() if allocated else mapped_bytes()))
 
 
+def device_index(device: torch.device | int | None) -> int:
+    """The CUDA device's index: the one given, else the current one."""
+    index = device if isinstance(device, int) or device is None else device.index
+    return torch.cuda.current_device() if index is None else index
+
+
 def memory_limit_bytes(device: torch.device | int | None, cap_bytes: int | None = None) -> int:
     """What this process's caching allocator can hold on ``device``: the cap (``cap_bytes``) when there is
     one, else the fraction set on the process, else what it holds now plus what the GPU has free."""
     if cap_bytes is not None:
         return cap_bytes + mapped_bytes()  # in the allocator's accounting, mapped host bytes included
-    index = device if isinstance(device, int) or device is None else device.index
-    index = torch.cuda.current_device() if index is None else index
+    index = device_index(device)
     read_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # newer torch only
     fraction = read_fraction(index) if read_fraction is not None else 1.0
     if fraction < 1.0:
@@ -170,7 +175,6 @@ def memory_limit_bytes(device: torch.device | int | None, cap_bytes: int | None 
 def allocator_retries(device: torch.device | int | None = None) -> int:
     """Times the caching allocator has run out of room under the limit and retried since the process began:
     each retry synchronizes every stream (the host waits for every copy in flight) and hands its cached
-    memory back to the driver, which later requests map again. One allocator statistic, no flattening."""
-    index = device if isinstance(device, int) or device is None else device.index
-    index = torch.cuda.current_device() if index is None else index
+    memory back to the driver, which later requests map again."""
+    index = device_index(device)
     return int(torch._C._cuda_memoryStats(index).get("num_alloc_retries", 0))
