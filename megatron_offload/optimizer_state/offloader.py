@@ -78,6 +78,9 @@ class OptimizerStateOffloader:
         )  # fmt: skip
         self.mover = ChunkCopies(self.state, self.stats, self.timings, self.streams, self.copies)
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
+        # Chunks before this index are on the GPU or on their way back: prefetch's walk starts here (the
+        # backward's hooks call it dozens of times). Back to 0 wherever a chunk may leave (queue_offload).
+        self._back_until, self._back_plan = 0, self.plan
         if check_host_memory:
             check_host_room(self.state.estimated_host_bytes())
 
@@ -153,6 +156,7 @@ class OptimizerStateOffloader:
         return self.mover.new_block(nbytes)
 
     def queue_offload(self, chunk: Chunk, now: bool = False) -> ChunkCopy | None:
+        self._back_until = 0
         return self.mover.queue_offload(chunk, now)
 
     def queue_prefetch(self, chunk: Chunk, block: torch.Tensor | None = None, after: Event | None = None) -> ChunkCopy:
@@ -169,7 +173,7 @@ class OptimizerStateOffloader:
         gone = self.state.let_go(nbytes)
         for chunk in gone:
             if chunk.on_gpu:
-                self.mover.queue_offload(chunk)
+                self.queue_offload(chunk)
         self.copies.flush()
         return sum(chunk.nbytes for chunk in gone)
 
@@ -191,13 +195,14 @@ class OptimizerStateOffloader:
         """Queue every chunk on the GPU that is not kept (``kept_too``: every chunk) and not leaving yet,
         on the plan as it stands (copies back that never started are dropped: those chunks stay on the
         host). True if any was."""
+        self._back_until = 0  # chunks whose copy back is dropped below stay on the host
         for copy in self.copies.queued(PREFETCH):
             if kept_too or not copy.chunk.kept:
                 self.mover.cancel(copy)
         going = [chunk for chunk in self.chunks if kept_too or not chunk.kept]
         leaving = [chunk for chunk in going if chunk.on_gpu and not self.mover.leaving(chunk)]
         for chunk in leaving:
-            self.mover.queue_offload(chunk)
+            self.queue_offload(chunk)
         return bool(leaving)
 
     def count_step(self) -> None:
@@ -215,23 +220,31 @@ class OptimizerStateOffloader:
         only chunks whose copy out has landed (the backward's hooks). Returns the bytes queued."""
         started, mark = 0, None
         self.copies.retire_landed()  # a chunk whose copy out has landed is on the host, not leaving
-        for chunk in self.chunks:
+        if self._back_plan is not self.plan:
+            self._back_plan, self._back_until = self.plan, 0
+        settled = True  # every chunk so far is back or coming back
+        for index in range(self._back_until, len(self.chunks)):
+            chunk = self.chunks[index]
             copy = chunk.copy
             if copy is not None and copy.direction == PREFETCH:
-                continue  # on its way back already
-            if copy is not None and copy.done is None:
+                pass  # on its way back already
+            elif copy is not None and copy.done is None:
                 self.mover.cancel(copy)  # its copy out has not started: the chunk never left
+            elif chunk.on_gpu:
+                pass
+            elif landed_only and copy is not None:
+                settled = False  # still leaving: a later call comes back for it
                 continue
-            if chunk.on_gpu or (landed_only and copy is not None):
-                continue
-            if copy is not None:
+            elif copy is not None:
                 self.mover.revive(chunk)  # costs no memory and no copy
-                continue
-            if max_bytes is not None and started + chunk.nbytes > max_bytes:
+            elif max_bytes is not None and started + chunk.nbytes > max_bytes:
                 break
-            mark = mark or self.streams.mark()  # one mark for every block allocated here
-            self.mover.queue_prefetch(chunk, self.mover.new_block(chunk.nbytes), after=mark)
-            started += chunk.nbytes
+            else:
+                mark = mark or self.streams.mark()  # one mark for every block allocated here
+                self.mover.queue_prefetch(chunk, self.mover.new_block(chunk.nbytes), after=mark)
+                started += chunk.nbytes
+            if settled:
+                self._back_until = index + 1
         if started:
             self.stats.prefetches += 1
             self.stats.gpu_bytes_freed = self.offloaded_bytes

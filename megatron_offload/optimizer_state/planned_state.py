@@ -61,6 +61,7 @@ class PlannedState:
         self.copies = copies  # the offloader's queue: drained before the slab is re-laid or freed
         self.plan = Plan()
         self.plan_dirty = True
+        self.adopted = False  # the step just run found the plan current and adopted what it made (see adopted_all)
         self.kept_bytes = 0  # state kept on the GPU, counting the moments to come (see count_plan)
         self.host_slab: HostSlab | None = None
         self._warned_shared: set[int] = set()
@@ -201,9 +202,18 @@ class PlannedState:
         self.plan, self.host_slab = Plan(), None
         self.count_plan()
 
+    def adopted_all(self) -> None:
+        """The streamed step found the plan current at its start and adopted every tensor it made into its
+        chunk: the next ``plan_is_current()`` (the offload right after that step) needs no walk."""
+        self.adopted = True
+
     def plan_is_current(self) -> bool:
         """Every offloadable tensor is in the plan (the moments Adam's first step made were adopted into
-        their chunks); then the plan is the state's. One walk over the state."""
+        their chunks); then the plan is the state's. One walk over the state, unless the step just run
+        vouched for it (``adopted_all``, good for one call)."""
+        adopted, self.adopted = self.adopted, False
+        if adopted and not self.plan_dirty and self.host_slab is not None:
+            return True
         found = list(self._offloadable())
         if self.plan_dirty or self.host_slab is None or not all(id(tensor) in self.plan.planned for tensor, _ in found):
             return False
@@ -212,4 +222,4 @@ class PlannedState:
 
     def replaced(self) -> None:
         """The state's tensors may be new ones (a checkpoint load): the next offload plans afresh."""
-        self.plan_dirty = True
+        self.plan_dirty, self.adopted = True, False

@@ -12,7 +12,7 @@ import torch
 from megatron_offload import HostMemoryError, OffloadCopyError, OptimizerStateOffloader
 from megatron_offload.core import host_memory
 from megatron_offload.core.streams import HostStreams
-from megatron_offload.optimizer_state import streamed_step
+from megatron_offload.optimizer_state import plan, streamed_step
 from megatron_offload.optimizer_state.chunk_step import ChunkStepper, RestrictedStep
 from megatron_offload.optimizer_state.plan import ALIGN
 
@@ -505,3 +505,38 @@ def test_a_failed_offload_points_every_tensor_back_at_its_gpu_memory() -> None:
     for entry in failed.entries:
         assert not in_host_slab(offloader, entry.tensor)  # back at the memory that still holds the values
         assert torch.equal(entry.tensor, before[id(entry.tensor)])
+
+
+def test_the_offload_right_after_a_whole_streamed_step_needs_no_second_walk_over_the_state(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    optimizer, masters = many_masters()
+    take_step(optimizer, 0)
+    offloader = offloader_for(optimizer, masters, chunk_bytes=2000)
+    offloader.offload()
+    walks = []
+    walk = plan.offloadable_tensors
+    monkeypatch.setattr(plan, "offloadable_tensors", lambda *args: walks.append(args) or walk(*args))
+
+    def step(after_chunk=None) -> None:
+        set_grads(optimizer, len(walks))
+        streamed_step.run(offloader, ChunkStepper(optimizer), after_chunk)
+
+    step()
+    assert len(walks) == 1  # the step's own check
+    offloader.offload(now=False)
+    assert len(walks) == 1  # the step vouched for the plan
+    offloader.offload(now=False)
+    assert len(walks) == 2  # for one call only
+    step()
+    offloader.state.replaced()  # a checkpoint load in between
+    offloader.offload(now=False)
+    assert len(walks) == 5  # the check, then the new plan
+
+    def fail(params: list[torch.Tensor]) -> None:
+        raise RuntimeError("injected")
+
+    with pytest.raises(RuntimeError, match="injected"):
+        step(fail)
+    offloader.offload(now=False)
+    assert len(walks) == 7  # a step that failed half-way vouches for nothing
