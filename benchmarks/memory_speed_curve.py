@@ -4,8 +4,9 @@ peak reserved less a share of the optimizer state, one row per way of training, 
 Rows: ours by default (``--offload-optimizer-states`` alone: only what the cap requires leaves the GPU),
 upstream's chunked offloader (Megatron-LM dev, its own loop; with ``--upstream-megatron-lm``) and no offload. The
 state is 12 bytes a parameter (fp32 master, Adam's two moments) of Megatron's own parameter count in the
-uncapped no-offload run, divided over data-parallel ranks. Each cell's ms/iter is the median of
-iterations 3-12; its ratio is to the uncapped no-offload run of the same invocation.
+uncapped no-offload run, divided over data-parallel ranks. The sweep runs at the first of ``--log-intervals``;
+each cell's ms/iter is the median of iterations 3-12 at interval 1, of the lines from iteration 2k of 4k at
+interval k (``iterations_for``); its ratio is to the uncapped no-offload run of the same invocation.
 
 Runs: one uncapped no-offload run, one uncapped upstream run, and ours once per cap. Neither no offload
 nor upstream's offloader reads the cap: under a cap at or above a row's uncapped peak reserved the
@@ -56,11 +57,24 @@ def floor_ratio(saved_bytes: float, link_gbps: float, first_forward_ms: float, i
     return 1 + max(0.0, crossing_ms - first_forward_ms) / iteration_ms
 
 
-def median_ms(figures: dict[str, Any]) -> float | None:
-    """The median ms/iter of iterations 3-12 (or of those from 3 on that ran)."""
+Window = tuple[int, int]  # the first and last logged iteration a median counts
+
+
+def iterations_for(interval: int) -> tuple[int, Window]:
+    """Iterations to run at ``--log-interval interval`` and the logged ones the median counts: at 1, 12
+    and iterations 3-12; at k > 1, 4k and the lines from 2k on (each line is the mean of the k iterations
+    before it, and the first line's hold the slow first two)."""
+    if interval <= 1:
+        return SWEEP_ITERS, (MEDIAN_FROM, SWEEP_ITERS)
+    return 4 * interval, (2 * interval, 4 * interval)
+
+
+def median_ms(figures: dict[str, Any], window: Window = (MEDIAN_FROM, SWEEP_ITERS)) -> float | None:
+    """The median ms/iter of the logged iterations in ``window`` that ran (3-12 at --log-interval 1)."""
     by_iteration = figures.get("step_ms_by_iteration") or {}
-    window = [ms for i, ms in by_iteration.items() if MEDIAN_FROM <= int(i) <= SWEEP_ITERS and ms is not None]
-    return statistics.median(window) if window else None
+    first, last = window
+    counted = [ms for i, ms in by_iteration.items() if first <= int(i) <= last and ms is not None]
+    return statistics.median(counted) if counted else None
 
 
 def estimate_s(n_caps: int, micro_batches: int, upstream: bool) -> float:
@@ -72,18 +86,20 @@ def estimate_s(n_caps: int, micro_batches: int, upstream: bool) -> float:
     return one["no offload"] + ours + (one["upstream"] + offload) * upstream
 
 
-def cell(figures: dict[str, Any], base: dict[str, Any] | None) -> dict[str, Any]:
+def cell(
+    figures: dict[str, Any], base: dict[str, Any] | None, window: Window = (MEDIAN_FROM, SWEEP_ITERS)
+) -> dict[str, Any]:
     """A row's figures under one cap: ms/iter, its ratio to no offload, peaks, losses, or why it did not run."""
     if "error" in figures:
         outcome = "did not fit" if figures.get("did_not_fit") else "failed"
         return {"outcome": outcome, "reason": figures["error"]}
-    ms = median_ms(figures)
+    ms = median_ms(figures, window)
     row: dict[str, Any] = {"outcome": "ran", "ms_per_iter": ms}
     for key in ("peak_reserved_GiB", "peak_allocated_GiB", "offloaded_GiB", "link_GBps", "wall_s"):
         if figures.get(key) is not None:
             row[key] = figures[key]
     retries = [n for i, n in (figures.get("allocator_retries_by_iteration") or {}).items()
-               if MEDIAN_FROM <= int(i) <= SWEEP_ITERS and n is not None]  # fmt: skip
+               if window[0] <= int(i) <= window[1] and n is not None]  # fmt: skip
     if retries:  # the caching allocator ran short under the cap in the timed iterations: each a stall
         row["allocator_retries"] = sum(retries)
     if base and ms is not None and base.get("ms_per_iter"):
@@ -116,12 +132,15 @@ def run_sweep(
 ) -> dict[str, Any]:
     """The sweep: uncapped no offload (and upstream), then ours under each cap; JSON and plot after each
     run. ``run`` is the harness's job runner; ``flags`` its "ours" and "upstream" offload flags."""
-    tail = ["--train-iters", str(SWEEP_ITERS), "--log-interval", "1", "--log-memory-interval", str(SWEEP_ITERS)]
+    interval = args.log_intervals[0]
+    iters, window = iterations_for(interval)
+    tail = ["--train-iters", str(iters), "--log-interval", str(interval), "--log-memory-interval", str(iters)]
     tail += ["--global-batch-size", str(args.global_batch)] if args.global_batch else []
     tail += list(args.extra)
-    gb = f"gb{args.global_batch or 'cfg'}"
-    result: dict[str, Any] = {**head, "global_batch": args.global_batch, "train_iters": SWEEP_ITERS,
-                              "median_of_iterations": [MEDIAN_FROM, SWEEP_ITERS], "caps": [], "runs": {}}  # fmt: skip
+    gb = f"gb{args.global_batch or 'cfg'}" + (f"-log{interval}" if interval > 1 else "")
+    result: dict[str, Any] = {**head, "global_batch": args.global_batch, "log_interval": interval,
+                              "train_iters": iters, "median_of_iterations": list(window), "caps": [],
+                              "runs": {}}  # fmt: skip
     result["base"] = "ours, no offload, uncapped (upstream's rows too: same model and flags)"
     result["floor"] = "1 + max(0, X / link - first forward) / iteration (X: the cap's saved bytes)"
 
@@ -131,10 +150,10 @@ def run_sweep(
         return figures
 
     base_run = go("no-offload", [*clients["ours"], *tail])
-    if "error" in base_run or median_ms(base_run) is None or "peak_reserved_GiB" not in base_run:
+    if "error" in base_run or median_ms(base_run, window) is None or "peak_reserved_GiB" not in base_run:
         result["error"] = f"the uncapped no-offload run gave no figures: {base_run.get('error', 'no peak')}"
         return result
-    base = {"ms_per_iter": median_ms(base_run), "losses": base_run["losses"]}
+    base = {"ms_per_iter": median_ms(base_run, window), "losses": base_run["losses"]}
     megatron = base_run.get("megatron_args", {})
     dp = int(megatron.get("data_parallel_size", 1) or 1)
     mbs, gbs = int(megatron.get("micro_batch_size", 2)), int(megatron.get("global_batch_size", args.global_batch or 8))
@@ -148,7 +167,7 @@ def run_sweep(
             if args.state_gib
             else "12 bytes x Megatron's parameter count (no-offload run) / data-parallel size",
         },  # fmt: skip
-        "no_offload": cell(base_run, base) | {"losses_equal": True, "x_no_offload": 1.0},
+        "no_offload": cell(base_run, base, window) | {"losses_equal": True, "x_no_offload": 1.0},
         "estimate_s": estimate_s(len(args.caps), micro_batches, "upstream" in clients),
     }
     if not state_gib:
@@ -167,16 +186,16 @@ def run_sweep(
         for name, extra in OURS.items():
             argv = [*clients["ours"], *tail, *flags["ours"], *extra, *capped]
             figures = go(f"cap{plan['percent']}-{name.split()[0]}", argv)
-            rows[name] = cell(figures, base)
+            rows[name] = cell(figures, base, window)
             link = link or figures.get("link_GBps")
             copied.extend(copy_out_gbps(figures))
         if upstream_run is not None:
-            rows[UPSTREAM_ROW] = cap_blind(upstream_run, cap, cell(upstream_run, base)) or {
+            rows[UPSTREAM_ROW] = cap_blind(upstream_run, cap, cell(upstream_run, base, window)) or {
                 "outcome": "not run", "reason": "its uncapped peaks straddle the cap; our cap flag cannot reach "
                 "upstream's script"}  # fmt: skip
         derived = None if args.run_every_cell else cap_blind(base_run, cap, result["no_offload"])
         if derived is None:
-            derived = cell(go(f"cap{plan['percent']}-no-offload", [*clients["ours"], *tail, *capped]), base)
+            derived = cell(go(f"cap{plan['percent']}-no-offload", [*clients["ours"], *tail, *capped]), base, window)
         rows[NO_OFFLOAD] = derived
         result["caps"].append(plan | {"rows": rows})
         result["caps"].sort(key=lambda c: c["percent"])
@@ -257,7 +276,7 @@ def plot(result: dict[str, Any], path: Any) -> str:
 def table(result: dict[str, Any]) -> str:
     """The curve as text: per cap, each row's ms/iter and ratio (or why not), and the floor."""
     lines = [f"memory-speed curve, global batch {result.get('global_batch') or 'of the config'} "
-             f"({result.get('micro_batches')} micro-batches), state {result['state']['GiB']:.2f} GiB, "
+             f"({result.get('micro_batches')} micro-batches), --log-interval {result.get('log_interval', 1)}, state {result['state']['GiB']:.2f} GiB, "
              f"no offload {result['no_offload']['ms_per_iter']:.1f} ms/iter, link {result['link']['GBps']:.1f} GB/s "
              f"({result['link']['source']})"]  # fmt: skip
     for plan in result["caps"]:

@@ -222,3 +222,12 @@ def test_benchmarks_start_from_the_checkout_without_pythonpath(module: str) -> N
                             capture_output=True, text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert "usage" in result.stdout
+
+
+def test_the_sweep_counts_the_iterations_past_warm_up_at_each_log_interval() -> None:
+    assert curve.iterations_for(1) == (12, (3, 12))
+    assert curve.iterations_for(5) == (20, (10, 20))  # lines 10, 15, 20: iterations 6-20
+    logged = {"step_ms_by_iteration": {"5": 900.0, "10": 510.0, "15": 530.0, "20": 520.0}}
+    assert curve.median_ms(logged, curve.iterations_for(5)[1]) == 520.0  # the warm-up line left out
+    retried = logged | {"allocator_retries_by_iteration": {"5": 40, "10": 1, "15": 2, "20": 0}}
+    assert curve.cell(retried, None, (10, 20))["allocator_retries"] == 3
