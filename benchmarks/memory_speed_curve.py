@@ -276,7 +276,8 @@ def plot(result: dict[str, Any], path: Any) -> str:
 def table(result: dict[str, Any]) -> str:
     """The curve as text: per cap, each row's ms/iter and ratio (or why not), and the floor."""
     lines = [f"memory-speed curve, global batch {result.get('global_batch') or 'of the config'} "
-             f"({result.get('micro_batches')} micro-batches), --log-interval {result.get('log_interval', 1)}, state {result['state']['GiB']:.2f} GiB, "
+             f"({result.get('micro_batches')} micro-batches), --log-interval {result.get('log_interval', 1)}, "
+             f"state {result['state']['GiB']:.2f} GiB, "
              f"no offload {result['no_offload']['ms_per_iter']:.1f} ms/iter, link {result['link']['GBps']:.1f} GB/s "
              f"({result['link']['source']})"]  # fmt: skip
     for plan in result["caps"]:

@@ -80,16 +80,13 @@ class CopyQueue:
             self.start(copy)
         return copy
 
-    def pump(self, in_flight: int | None = None) -> None:
+    def pump(self) -> None:
         """One point of the caller's loop: retire copies that have landed, start queued ones whose
-        dependency has completed, at most ``in_flight`` per direction (default: the queue's). With 1, a
-        queued copy starts only where nothing is in flight: it fills an idle link, and a copy the caller
-        starts itself next waits behind one copy at most. Never waits; raises a failed copy."""
-        most = self.in_flight if in_flight is None else in_flight
+        dependency has completed, at most ``in_flight`` per direction. Never waits; raises a failed copy."""
         self.retire_landed()
         for direction in (OFFLOAD, PREFETCH):
             flying, queued = self._flying[direction], self._queued[direction]
-            while queued and len(flying) < most:
+            while queued and len(flying) < self.in_flight:
                 copy = queued[0]
                 if copy.after is not None and not self._query(copy, copy.after):
                     break  # its dependency is still running: left for the next point

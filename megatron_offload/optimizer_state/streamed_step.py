@@ -1,9 +1,8 @@
 """The optimizer step, chunk by chunk, streaming what is not back yet through a few GPU buffers.
 
 Chunks already on the GPU are updated first, in groups, while the first streamed chunks come in; their
-copies out start where the link idles during the step, the rest at the loop's next points. The others
-stream through ``STAGING_CHUNKS`` buffers (chunk i+2 in, i updated, i-1 out, at once), every order kept on
-the device, so the host never waits.
+copies out are left for the loop's next points. The others stream through ``STAGING_CHUNKS`` buffers
+(chunk i+2 in, i updated, i-1 out, at once), every order kept on the device, so the host never waits.
 NOTE: a streamed chunk's copy out starts within the step (its buffer is needed again).
 NOTE: with a ``stage`` (params whose values and gradients live in device-mapped host memory), each
 group's params and gradients come to the GPU ahead of its update (the stage is told the order first),
@@ -174,8 +173,7 @@ def run(
             update(group)
             for chunk in group:
                 if not chunk.kept:
-                    off.queue_offload(chunk)  # started a few at a time, here and at the loop's next points
-            off.copies.pump()
+                    off.queue_offload(chunk)  # started by the next points, a few at a time
         leaving = []
         for index, chunk in enumerate(streamed):
             created = update([chunk])
@@ -190,9 +188,6 @@ def run(
                 before = upcoming - STAGING_CHUNKS  # the chunk that used this buffer last
                 # The buffer may be overwritten once that chunk's copy out has read it (queued already).
                 bring_in(upcoming, leaving[before].done if before >= 0 and leaving[before] else fresh)
-            # Ready chunks' copies out use the link only where it idles: the streamed chunks' copies, which
-            # free the staging buffers, wait behind one of them at most.
-            off.copies.pump(in_flight=1)
         off.state.adopted_all()  # the plan was current at the start and every new tensor joined its chunk
     finally:
         off.queue_out()  # whatever is still here and not kept leaves, never half-way (the plan was checked above)

@@ -139,19 +139,3 @@ def test_release_orders_the_compute_stream_after_the_oldest_copies_out_and_drops
         gate.open = True
     queue.pump()
     assert queue.idle
-
-
-def test_a_pump_held_to_one_in_flight_starts_a_copy_only_on_an_idle_link() -> None:
-    streams = GatedStreams()
-    queue = CopyQueue(streams)
-    for _ in range(3):
-        queue_and_keep(queue, direction=OFFLOAD)
-    queue.pump(in_flight=1)
-    assert len(streams.started) == 1  # the link was idle: one starts
-    queue.pump(in_flight=1)
-    assert len(streams.started) == 1  # one in flight already: the next waits
-    streams.started[0][1].open = True
-    queue.pump(in_flight=1)
-    assert len(streams.started) == 2 and len(queue.queued(OFFLOAD)) == 1
-    queue.pump()  # the queue's own bound: two in flight
-    assert len(streams.started) == 3
