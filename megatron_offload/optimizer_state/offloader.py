@@ -78,9 +78,6 @@ class OptimizerStateOffloader:
         )  # fmt: skip
         self.mover = ChunkCopies(self.state, self.stats, self.timings, self.streams, self.copies)
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
-        # Chunks before this index are on the GPU or on their way back: prefetch's walk starts here (the
-        # backward's hooks call it dozens of times). Back to 0 wherever a chunk may leave (queue_offload).
-        self._back_until, self._back_plan = 0, self.plan
         if check_host_memory:
             check_host_room(self.state.estimated_host_bytes())
 
@@ -156,7 +153,7 @@ class OptimizerStateOffloader:
         return self.mover.new_block(nbytes)
 
     def queue_offload(self, chunk: Chunk, now: bool = False) -> ChunkCopy | None:
-        self._back_until = 0
+        self.plan.back_until = 0  # the chunk leaves: prefetch's next walk starts from the first chunk
         return self.mover.queue_offload(chunk, now)
 
     def queue_prefetch(self, chunk: Chunk, block: torch.Tensor | None = None, after: Event | None = None) -> ChunkCopy:
@@ -195,7 +192,7 @@ class OptimizerStateOffloader:
         """Queue every chunk on the GPU that is not kept (``kept_too``: every chunk) and not leaving yet,
         on the plan as it stands (copies back that never started are dropped: those chunks stay on the
         host). True if any was."""
-        self._back_until = 0  # chunks whose copy back is dropped below stay on the host
+        self.plan.back_until = 0  # chunks whose copy back is dropped below stay on the host
         for copy in self.copies.queued(PREFETCH):
             if kept_too or not copy.chunk.kept:
                 self.mover.cancel(copy)
@@ -220,10 +217,9 @@ class OptimizerStateOffloader:
         only chunks whose copy out has landed (the backward's hooks). Returns the bytes queued."""
         started, mark = 0, None
         self.copies.retire_landed()  # a chunk whose copy out has landed is on the host, not leaving
-        if self._back_plan is not self.plan:
-            self._back_plan, self._back_until = self.plan, 0
+        plan = self.plan
         settled = True  # every chunk so far is back or coming back
-        for index in range(self._back_until, len(self.chunks)):
+        for index in range(plan.back_until, len(self.chunks)):
             chunk = self.chunks[index]
             copy = chunk.copy
             if copy is not None and copy.direction == PREFETCH:
@@ -244,7 +240,7 @@ class OptimizerStateOffloader:
                 self.mover.queue_prefetch(chunk, self.mover.new_block(chunk.nbytes), after=mark)
                 started += chunk.nbytes
             if settled:
-                self._back_until = index + 1
+                plan.back_until = index + 1
         if started:
             self.stats.prefetches += 1
             self.stats.gpu_bytes_freed = self.offloaded_bytes

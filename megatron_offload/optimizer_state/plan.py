@@ -76,6 +76,9 @@ class Plan:
     planned: set[int] = field(default_factory=set)  # id() of every tensor in a chunk
     slab_used: int = 0  # bytes of the slab in use; Adam's first moments are added after them
     loose_masters: bool = False  # some master is not an optimizer param: the step cannot be chunked
+    # Chunks before this index are on the GPU or on their way back: the offloader's prefetch walks on from
+    # here (the backward's hooks call it dozens of times) and sets it back to 0 wherever a chunk may leave.
+    back_until: int = 0
 
     @property
     def host_bytes(self) -> int:

@@ -4,6 +4,8 @@ optimizer state offloaded; bitwise equal to the same model trained without any o
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -39,7 +41,9 @@ def pool() -> MappedPool:
 
 
 def streamed_training(pool: MappedPool, **offload: object):
-    # Held by live tensors, not mapped: the pool reuses what an earlier run of this module freed.
+    # Held by live tensors, not mapped: the pool reuses what an earlier run of this module freed. That run's
+    # garbage is collected first: freed during the build, it would hide what the build allocated.
+    gc.collect()
     before = mapped_allocated_bytes()
     with pool.allocating():
         training = build_gpt_training(SHAPE, recompute=True)
