@@ -108,6 +108,7 @@ def run(name: str, argv: list[str], gpus: int, out: Path, env_extra: dict[str, s
         "exposed_ms": last.exposed_ms,
         "copy_out_in_ms": [last.copy_out_ms, last.copy_in_ms],
         "allocator_retries_by_iteration": {i: log.steps[i].allocator_retries for i in iterations},
+        "streamed_GiB_by_iteration": {i: log.steps[i].streamed_gib for i in iterations},
     }
     wanted = ("micro_batch_size", "global_batch_size", "data_parallel_size")
     figures["megatron_args"] = {key: log.args[key] for key in wanted if key in log.args}

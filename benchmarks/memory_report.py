@@ -47,6 +47,7 @@ class Step:
     peak_allocated_gib: float | None = None
     peak_reserved_gib: float | None = None
     allocator_retries: int | None = None  # the caching allocator's retries under the limit since the last line
+    streamed_gib: float | None = None  # state that came back through the step, not ahead of it (per step)
 
 
 @dataclass
@@ -125,6 +126,7 @@ def parse_log(text: str) -> RunLog:
                 peak_allocated_gib=number(peaks[0]) if len(peaks) == 2 else None,
                 peak_reserved_gib=number(peaks[1]) if len(peaks) == 2 else None,
                 allocator_retries=int(values["allocator retries"]) if "allocator retries" in values else None,
+                streamed_gib=number(values.get("offload streamed in step (GiB)")),
             )
         elif match := _MEMORY.search(line):
             values = {name: float(value) for name, value in _fields(match[3]).items()}

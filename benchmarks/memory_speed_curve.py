@@ -69,11 +69,15 @@ def iterations_for(interval: int) -> tuple[int, Window]:
     return 4 * interval, (2 * interval, 4 * interval)
 
 
+def in_window(figures: dict[str, Any], key: str, window: Window) -> list[float]:
+    """The values of ``figures[key]`` (by logged iteration) whose iteration is in ``window``."""
+    first, last = window
+    return [v for i, v in (figures.get(key) or {}).items() if first <= int(i) <= last and v is not None]
+
+
 def median_ms(figures: dict[str, Any], window: Window = (MEDIAN_FROM, SWEEP_ITERS)) -> float | None:
     """The median ms/iter of the logged iterations in ``window`` that ran (3-12 at --log-interval 1)."""
-    by_iteration = figures.get("step_ms_by_iteration") or {}
-    first, last = window
-    counted = [ms for i, ms in by_iteration.items() if first <= int(i) <= last and ms is not None]
+    counted = in_window(figures, "step_ms_by_iteration", window)
     return statistics.median(counted) if counted else None
 
 
@@ -95,13 +99,19 @@ def cell(
         return {"outcome": outcome, "reason": figures["error"]}
     ms = median_ms(figures, window)
     row: dict[str, Any] = {"outcome": "ran", "ms_per_iter": ms}
+    counted = sorted(in_window(figures, "step_ms_by_iteration", window))
+    if len(counted) >= 4:  # how far single lines spread around the median: the quartiles
+        quartiles = statistics.quantiles(counted, n=4)
+        row["ms_quartiles"] = [quartiles[0], quartiles[2]]
     for key in ("peak_reserved_GiB", "peak_allocated_GiB", "offloaded_GiB", "link_GBps", "wall_s"):
         if figures.get(key) is not None:
             row[key] = figures[key]
-    retries = [n for i, n in (figures.get("allocator_retries_by_iteration") or {}).items()
-               if window[0] <= int(i) <= window[1] and n is not None]  # fmt: skip
+    retries = in_window(figures, "allocator_retries_by_iteration", window)
     if retries:  # the caching allocator ran short under the cap in the timed iterations: each a stall
         row["allocator_retries"] = sum(retries)
+    streamed = in_window(figures, "streamed_GiB_by_iteration", window)
+    if streamed:  # the state that came back through the step rather than during the last backward
+        row["streamed_in_step_GiB"] = statistics.median(streamed)
     if base and ms is not None and base.get("ms_per_iter"):
         row["x_no_offload"] = ms / base["ms_per_iter"]
         row["losses_equal"] = figures.get("losses") == base.get("losses")
@@ -288,8 +298,12 @@ def table(result: dict[str, Any]) -> str:
                 lines.append(f"  {name:26} {row['outcome']}: {row.get('reason', '')[:100]}")
                 continue
             equal = {True: "losses equal", False: "losses DIFFER", None: ""}[row.get("losses_equal")]
+            spread = row.get("ms_quartiles")
             lines.append(f"  {name:26} {row['ms_per_iter']:8.1f} ms  x{row.get('x_no_offload', 0):.3f}  "
-                         f"peak reserved {row.get('peak_reserved_GiB', 0):.2f} GiB  {equal}"
+                         + (f"(quartiles {spread[0]:.0f}-{spread[1]:.0f})  " if spread else "")
+                         + f"peak reserved {row.get('peak_reserved_GiB', 0):.2f} GiB  {equal}"
                          + (f"  allocator retries {row['allocator_retries']}" if row.get("allocator_retries") else "")
+                         + (f"  streamed in step {row['streamed_in_step_GiB']:.2f} GiB"
+                            if row.get("streamed_in_step_GiB") else "")
                          + ("  (from its uncapped run)" if "derived" in row else ""))  # fmt: skip
     return "\n".join(lines) + "\n"

@@ -57,19 +57,21 @@ def test_log_fields_average_over_the_interval() -> None:
         exposed_seconds=0.6,
         host_bytes=3 * 1024**3,
         allocator_retries=3,
+        bytes_streamed=3 * 1024**3,
     )
     fields = format_offload_fields(now, before, MemoryReading(1024**3, 2 * 1024**3, 5 * 1024**3, 6 * 1024**3))
     assert "offloaded per rank (GiB): 3.00 |" in fields
     assert "offload copy out/in (ms): 100.0/150.0 |" in fields
     assert "offload exposed (ms): 50.0 |" in fields
     assert "allocator retries: 3 |" in fields  # since the line before, not averaged
+    assert "offload streamed in step (GiB): 1.50 |" in fields  # per step
     assert "mem allocated/reserved (GiB): 1.00/2.00 |" in fields
     assert "mem peak allocated/reserved (GiB): 5.00/6.00 |" in fields
     from benchmarks.memory_report import parse_log
 
     step = parse_log(f" [2026-11-23] iteration        5/      20 | lm loss: 1.0E+01 |{fields}").steps[5]
     assert (step.peak_allocated_gib, step.peak_reserved_gib, step.offloaded_gib) == (5.0, 6.0, 3.0)
-    assert step.allocator_retries == 3
+    assert step.allocator_retries == 3 and step.streamed_gib == 1.5
 
 
 def test_launcher_usage_and_missing_script(capsys: pytest.CaptureFixture[str]) -> None:

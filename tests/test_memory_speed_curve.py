@@ -231,3 +231,12 @@ def test_the_sweep_counts_the_iterations_past_warm_up_at_each_log_interval() -> 
     assert curve.median_ms(logged, curve.iterations_for(5)[1]) == 520.0  # the warm-up line left out
     retried = logged | {"allocator_retries_by_iteration": {"5": 40, "10": 1, "15": 2, "20": 0}}
     assert curve.cell(retried, None, (10, 20))["allocator_retries"] == 3
+
+
+def test_a_row_says_how_far_its_iterations_spread_and_what_came_back_through_the_step() -> None:
+    times = {str(i): 500.0 + 10 * (i % 4) for i in range(1, 13)}  # 500, 510, 520, 530 over and over
+    streamed = {str(i): 2.0 if i > 2 else 9.0 for i in range(1, 13)}
+    row = curve.cell({"step_ms_by_iteration": times, "streamed_GiB_by_iteration": streamed}, None)
+    low, high = row["ms_quartiles"]
+    assert 500.0 <= low < row["ms_per_iter"] < high <= 530.0
+    assert row["streamed_in_step_GiB"] == 2.0  # the first iterations, which stream everything, left out

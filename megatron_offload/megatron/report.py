@@ -23,13 +23,17 @@ def format_offload_fields(current: OffloadStats, previous: OffloadStats, memory:
     """Fields in Megatron's ``name: value |`` style, averaged per step over the steps since ``previous``."""
     steps = max(current.offloads - previous.offloads, 1)
 
+    def per_step(name: str) -> float:
+        return (getattr(current, name) - getattr(previous, name)) / steps
+
     def per_step_ms(name: str) -> float:
-        return (getattr(current, name) - getattr(previous, name)) / steps * 1000
+        return per_step(name) * 1000
 
     return (
         f" offloaded per rank (GiB): {current.offloaded_bytes / GIB:.2f} |"
         f" kept on GPU (GiB): {current.kept_bytes / GIB:.2f} |"
         f" offload copy out/in (ms): {per_step_ms('offload_seconds'):.1f}/{per_step_ms('prefetch_seconds'):.1f} |"
+        f" offload streamed in step (GiB): {per_step('bytes_streamed') / GIB:.2f} |"
         f" offload exposed (ms): {per_step_ms('exposed_seconds'):.1f} |"
         f" allocator retries: {current.allocator_retries - previous.allocator_retries} |"
         f" mem allocated/reserved (GiB): {memory.allocated / GIB:.2f}/{memory.reserved / GIB:.2f} |"
