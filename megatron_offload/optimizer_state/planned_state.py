@@ -204,16 +204,18 @@ class PlannedState:
 
     def adopted_all(self) -> None:
         """The streamed step found the plan current at its start and adopted every tensor it made into its
-        chunk: the next ``plan_is_current()`` (the offload right after that step) needs no walk."""
+        chunk: the offload right after that step needs no walk (``current_after_step``)."""
         self.adopted = True
+
+    def current_after_step(self) -> bool:
+        """``plan_is_current()``, without its walk once right after a step that vouched for the plan."""
+        adopted, self.adopted = self.adopted, False
+        return (adopted and not self.plan_dirty and self.host_slab is not None) or self.plan_is_current()
 
     def plan_is_current(self) -> bool:
         """Every offloadable tensor is in the plan (the moments Adam's first step made were adopted into
-        their chunks); then the plan is the state's. One walk over the state, unless the step just run
-        vouched for it (``adopted_all``, good for one call)."""
-        adopted, self.adopted = self.adopted, False
-        if adopted and not self.plan_dirty and self.host_slab is not None:
-            return True
+        their chunks); then the plan is the state's. One walk over the state."""
+        self.adopted = False  # walked now: what an earlier step vouched for is old
         found = list(self._offloadable())
         if self.plan_dirty or self.host_slab is None or not all(id(tensor) in self.plan.planned for tensor, _ in found):
             return False

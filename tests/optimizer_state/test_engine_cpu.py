@@ -529,9 +529,11 @@ def test_the_offload_right_after_a_whole_streamed_step_needs_no_second_walk_over
     offloader.offload(now=False)
     assert len(walks) == 2  # for one call only
     step()
+    step()
+    assert len(walks) == 4  # each step checks for itself, vouched for or not
     offloader.state.replaced()  # a checkpoint load in between
     offloader.offload(now=False)
-    assert len(walks) == 5  # the check, then the new plan
+    assert len(walks) == 6  # the check, then the new plan
 
     def fail(params: list[torch.Tensor]) -> None:
         raise RuntimeError("injected")
@@ -539,4 +541,4 @@ def test_the_offload_right_after_a_whole_streamed_step_needs_no_second_walk_over
     with pytest.raises(RuntimeError, match="injected"):
         step(fail)
     offloader.offload(now=False)
-    assert len(walks) == 7  # a step that failed half-way vouches for nothing
+    assert len(walks) == 8  # a step that failed half-way vouches for nothing
