@@ -24,13 +24,13 @@ offload, prefetch step and, with upstream, its two rows) at the first log interv
 run slower: their times are never the ms/iter of the table. ``--profile-only`` runs just those.
 
 ``--sweep`` (memory_speed_curve.py) runs the memory-speed curve instead of the matrix: caps at the
-no-offload peak reserved less ``--caps`` percents of the state, at the first of ``--log-intervals``: 12
-iterations a run and ms/iter the median of iterations 3-12 at 1, 20 and the lines from iteration 10 at 5;
+no-offload peak reserved less ``--caps`` percents of the state, at the first of ``--log-intervals``: 24
+iterations a run and ms/iter the median of iterations 3-24 at 1, 40 and the lines from iteration 10 at 5;
 ``--global-batch 8`` (4 micro-batches of 2) or 32 (16). Runs: one uncapped no
 offload, one uncapped upstream, ours (the default) once per cap (no offload and upstream under a cap follow
 from their uncapped runs). Estimate on one H100, start-up ~25 s (no offload), ~45-50 s (offloading) a run:
-global batch 8, caps 90 75 50 25 without upstream: 5 runs, ~5 min; all five caps with upstream: 7 runs,
-~7 min; global batch 32, caps 90 50: 4 runs, ~5 min. Each run's JSON
+global batch 8, caps 90 75 50 25 without upstream: 5 runs, ~6 min; all five caps with upstream: 7 runs,
+~8 min; global batch 32, caps 90 50: 4 runs, ~5.5 min (at interval 5, 40 iterations a run: more). Each run's JSON
 and plot are written as it ends, so a call cut off still leaves the caps done. When nothing can run (no
 CUDA GPU, no Megatron-LM script at ``--megatron-lm``, no megatron.training) it stops at once, one line.
 

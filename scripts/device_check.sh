@@ -89,7 +89,7 @@ if wants trace; then
   echo "=== profiled runs, compute stream with and without copies (timings not from these)"
   side trace --log-intervals 1 --profile-only --profile "${TRACE_ARGS:-}"  # e.g. "'no offload' 'prefetch step'"
 fi
-if wants sweep; then  # not in the default PARTS: the memory-speed curve, ~5-7 min per call; $SWEEP_ARGS picks it
+if wants sweep; then  # not in the default PARTS: the memory-speed curve, ~6-8 min per call; $SWEEP_ARGS picks it
   echo "=== memory-speed curve under caps (${SWEEP_ARGS:---global-batch 8 --caps 90 75 50 25})"
   side sweep --sweep ${SWEEP_ARGS:---global-batch 8 --caps 90 75 50 25}  # curve.json, curve.png, curve.txt in sweep/
   [ -z "${OUT:-}" ] || { tar czf "$OUT/sweep.tgz" "$results"/sweep/curve.* "$results"/sweep/*.log 2>/dev/null; cp "$results"/sweep/curve.{json,png,txt} "$OUT/" 2>/dev/null; }

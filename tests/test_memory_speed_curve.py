@@ -39,7 +39,7 @@ def test_the_floor() -> None:
 
 def test_the_estimate_counts_one_no_offload_run_ours_once_per_cap_and_upstream_once() -> None:
     two, five = curve.estimate_s(2, 4, True), curve.estimate_s(5, 4, True)
-    one_run = curve.STARTUP_S["ours"] + 2 + 12 * (0.15 * 4 + 0.05 + 0.3)
+    one_run = curve.STARTUP_S["ours"] + 2 + curve.SWEEP_ITERS * (0.15 * 4 + 0.05 + 0.3)
     assert five - two == pytest.approx(3 * len(curve.OURS) * one_run)
     assert two < 9 * 60 and curve.estimate_s(2, 16, True) < 9 * 60
 
@@ -89,7 +89,8 @@ def test_the_sweep_writes_every_figure(monkeypatch: pytest.MonkeyPatch, tmp_path
     # offload never under a cap
     assert len(calls) == 2 + 3 and sum("--offload-optimizer-states" not in a for _, a in calls) == 2
     assert all("--offload-fraction" not in a and "--offload-prefetch" not in a for _, a in calls)
-    assert all(a[a.index("--global-batch-size") + 1] == "8" and a[a.index("--train-iters") + 1] == "12"
+    iters = str(curve.SWEEP_ITERS)
+    assert all(a[a.index("--global-batch-size") + 1] == "8" and a[a.index("--train-iters") + 1] == iters
                for _, a in calls)  # fmt: skip
     result = json.loads((tmp_path / "curve.json").read_text())
     assert result["state"]["GiB"] == pytest.approx(STATE_GIB)
@@ -225,8 +226,8 @@ def test_benchmarks_start_from_the_checkout_without_pythonpath(module: str) -> N
 
 
 def test_the_sweep_counts_the_iterations_past_warm_up_at_each_log_interval() -> None:
-    assert curve.iterations_for(1) == (12, (3, 12))
-    assert curve.iterations_for(5) == (20, (10, 20))  # lines 10, 15, 20: iterations 6-20
+    assert curve.iterations_for(1) == (24, (3, 24))
+    assert curve.iterations_for(5) == (40, (10, 40))  # lines 10, 15, ... 40: iterations 6-40
     logged = {"step_ms_by_iteration": {"5": 900.0, "10": 510.0, "15": 530.0, "20": 520.0}}
     assert curve.median_ms(logged, curve.iterations_for(5)[1]) == 520.0  # the warm-up line left out
     retried = logged | {"allocator_retries_by_iteration": {"5": 40, "10": 1, "15": 2, "20": 0}}
