@@ -60,6 +60,7 @@ def floor_ratio(saved_bytes: float, link_gbps: float, first_forward_ms: float, i
 
 
 Window = tuple[int, int]  # the first and last logged iteration a median counts
+AT_INTERVAL_1: Window = (MEDIAN_FROM, SWEEP_ITERS)
 
 
 def iterations_for(interval: int) -> tuple[int, Window]:
@@ -67,7 +68,7 @@ def iterations_for(interval: int) -> tuple[int, Window]:
     and iterations 3-24; at k > 1, 8k and the lines from 2k on (each line is the mean of the k iterations
     before it, and the first line's hold the slow first two)."""
     if interval <= 1:
-        return SWEEP_ITERS, (MEDIAN_FROM, SWEEP_ITERS)
+        return SWEEP_ITERS, AT_INTERVAL_1
     return 8 * interval, (2 * interval, 8 * interval)
 
 
@@ -77,7 +78,7 @@ def in_window(figures: dict[str, Any], key: str, window: Window) -> list[float]:
     return [v for i, v in (figures.get(key) or {}).items() if first <= int(i) <= last and v is not None]
 
 
-def median_ms(figures: dict[str, Any], window: Window = (MEDIAN_FROM, SWEEP_ITERS)) -> float | None:
+def median_ms(figures: dict[str, Any], window: Window = AT_INTERVAL_1) -> float | None:
     """The median ms/iter of the logged iterations in ``window`` that ran (3-24 at --log-interval 1)."""
     counted = in_window(figures, "step_ms_by_iteration", window)
     return statistics.median(counted) if counted else None
@@ -92,16 +93,14 @@ def estimate_s(n_caps: int, micro_batches: int, upstream: bool) -> float:
     return one["no offload"] + ours + (one["upstream"] + offload) * upstream
 
 
-def cell(
-    figures: dict[str, Any], base: dict[str, Any] | None, window: Window = (MEDIAN_FROM, SWEEP_ITERS)
-) -> dict[str, Any]:
+def cell(figures: dict[str, Any], base: dict[str, Any] | None, window: Window = AT_INTERVAL_1) -> dict[str, Any]:
     """A row's figures under one cap: ms/iter, its ratio to no offload, peaks, losses, or why it did not run."""
     if "error" in figures:
         outcome = "did not fit" if figures.get("did_not_fit") else "failed"
         return {"outcome": outcome, "reason": figures["error"]}
-    ms = median_ms(figures, window)
+    counted = in_window(figures, "step_ms_by_iteration", window)
+    ms = statistics.median(counted) if counted else None
     row: dict[str, Any] = {"outcome": "ran", "ms_per_iter": ms}
-    counted = sorted(in_window(figures, "step_ms_by_iteration", window))
     if len(counted) >= 4:  # how far single lines spread around the median: the quartiles
         quartiles = statistics.quantiles(counted, n=4)
         row["ms_quartiles"] = [quartiles[0], quartiles[2]]
