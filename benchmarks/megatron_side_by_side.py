@@ -23,6 +23,10 @@ offload, prefetch step and, with upstream, its two rows) at the first log interv
 (``trace_summary.py``: compute-stream busy time and its share where copies run). Profiled iterations
 run slower: their times are never the ms/iter of the table. ``--profile-only`` runs just those.
 
+``--phases`` runs our rows through ``benchmarks/phases.py`` instead: CUDA events at each micro-batch's
+forward and backward and at the step, no profiler, so the iterations are the timed ones; each row's JSON
+gets its medians per phase (``phases_ms``), and the sweep's text each cap's difference to no offload.
+
 ``--sweep`` (memory_speed_curve.py) runs the memory-speed curve instead of the matrix: caps at the
 no-offload peak reserved less ``--caps`` percents of the state, at the first of ``--log-intervals``: 24
 iterations a run and ms/iter the median of iterations 3-24 at 1, 40 and the lines from iteration 10 at 5;
@@ -56,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import memory_speed_curve as curve
+from benchmarks import phases
 from benchmarks.memory_report import GIB, MIB, parse_log
 from benchmarks.run_logs import did_not_fit, failure_reason, logged_link_gbps
 from benchmarks.trace_summary import TraceError, load_trace
@@ -110,6 +115,8 @@ def run(name: str, argv: list[str], gpus: int, out: Path, env_extra: dict[str, s
         "allocator_retries_by_iteration": {i: log.steps[i].allocator_retries for i in iterations},
         "streamed_GiB_by_iteration": {i: log.steps[i].streamed_gib for i in iterations},
     }
+    if marked := phases.summary(text):  # run through benchmarks.phases (--phases): GPU and host ms per phase
+        figures["phases_ms"] = marked
     wanted = ("micro_batch_size", "global_batch_size", "data_parallel_size")
     figures["megatron_args"] = {key: log.args[key] for key in wanted if key in log.args}
     if link := logged_link_gbps(text):
@@ -452,6 +459,12 @@ def main() -> int:
     parser.add_argument("--profile-only", action="store_true", help="only the profiled runs (with --profile)")
     parser.add_argument("--window-ms", type=float, default=25.0, help="the trace comparison's window")
     parser.add_argument("--global-batch", type=int, help="--global-batch-size of every run (default: the config's)")
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="our rows through benchmarks.phases: each iteration's phases (forwards, backwards, step) in GPU and "
+        "host ms from CUDA events, their medians in the JSON and the curve's text (needs --megatron-lm)",
+    )
     curves = parser.add_argument_group("the memory-speed curve (--sweep; memory_speed_curve.py)")
     curves.add_argument("--sweep", action="store_true", help="the cap sweep, not the matrix: curve.json, curve.png")
     curves.add_argument(
@@ -482,13 +495,16 @@ def main() -> int:
     args = parser.parse_args()
     if args.profile_only and args.profile is None:
         parser.error("--profile-only needs --profile")
+    if args.phases and not args.megatron_lm:
+        parser.error("--phases marks Megatron-LM's own loop: give --megatron-lm PATH")
     problem = nothing_can_run(args)
     if problem:
         print(f"megatron_side_by_side: nothing can run: {problem}")
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.megatron_lm:  # Megatron-LM's own script, through our launcher
-        client = ["-m", "megatron_offload.run", str(args.megatron_lm / "pretrain_gpt.py")]
+    if args.megatron_lm:  # Megatron-LM's own script, through our launcher (with --phases, marked: phases.py)
+        launcher = "benchmarks.phases" if args.phases else "megatron_offload.run"
+        client = ["-m", launcher, str(args.megatron_lm / "pretrain_gpt.py")]
     else:
         client = ["scripts/pretrain_gpt.py"]
     if args.global_batch and not args.sweep:

@@ -30,6 +30,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks import phases
 from benchmarks.memory_report import GB, GIB, copy_gbps
 
 DEFAULT_CAPS = (90, 50, 0, 75, 25)  # most telling first: a call cut off at its limit still leaves a curve
@@ -104,7 +105,7 @@ def cell(figures: dict[str, Any], base: dict[str, Any] | None, window: Window = 
     if len(counted) >= 4:  # how far single lines spread around the median: the quartiles
         quartiles = statistics.quantiles(counted, n=4)
         row["ms_quartiles"] = [quartiles[0], quartiles[2]]
-    for key in ("peak_reserved_GiB", "peak_allocated_GiB", "offloaded_GiB", "link_GBps", "wall_s"):
+    for key in ("peak_reserved_GiB", "peak_allocated_GiB", "offloaded_GiB", "link_GBps", "wall_s", "phases_ms"):
         if figures.get(key) is not None:
             row[key] = figures[key]
     retries = in_window(figures, "allocator_retries_by_iteration", window)
@@ -307,4 +308,9 @@ def table(result: dict[str, Any]) -> str:
                          + (f"  streamed in step {row['streamed_in_step_GiB']:.2f} GiB"
                             if row.get("streamed_in_step_GiB") else "")
                          + ("  (from its uncapped run)" if "derived" in row else ""))  # fmt: skip
+    marked = {f"cap {plan['percent']}%: {name}": row["phases_ms"] for plan in result["caps"]
+              for name, row in plan["rows"].items() if row.get("phases_ms") and "derived" not in row}  # fmt: skip
+    if marked and result["no_offload"].get("phases_ms"):
+        lines += ["", "phases (benchmarks/phases.py): no offload's GPU ms, the others' difference to it; host ms in ()"]
+        lines.append(phases.table({NO_OFFLOAD: result["no_offload"]["phases_ms"], **marked}, base=NO_OFFLOAD).rstrip())
     return "\n".join(lines) + "\n"

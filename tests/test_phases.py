@@ -1,0 +1,114 @@
+"""benchmarks/phases.py without a GPU: the marks on megatron-core's own schedule function and GPT model
+(Megatron-LM's training loop is not installed here: its train_step is a stand-in), one line per iteration
+once its events have completed and never before, the medians of a log, the table, and the sweep's text."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks import megatron_side_by_side as side
+from benchmarks import memory_speed_curve as curve
+from benchmarks import phases
+
+
+class HostEvent:
+    """An event on the host's clock; ``ready`` False: not completed until a test says so."""
+
+    ready = True
+
+    def __init__(self) -> None:
+        self.at = 0.0
+
+    def record(self) -> None:
+        self.at = time.perf_counter()
+
+    def query(self) -> bool:
+        return HostEvent.ready
+
+    def synchronize(self) -> None:
+        return None
+
+    def elapsed_time(self, end: HostEvent) -> float:
+        return (end.at - self.at) * 1e3
+
+
+@pytest.fixture
+def marked(monkeypatch: pytest.MonkeyPatch):
+    """megatron-core's schedules module and GPTModel, marked (restored after the test), and an iteration
+    that runs ``micro_batches`` forwards through them."""
+    from megatron.core.models.gpt import gpt_model
+    from megatron.core.pipeline_parallel import schedules
+
+    def forward_backward(micro_batches: int) -> None:
+        for _ in range(micro_batches):
+            gpt_model.GPTModel.forward(None)
+
+    monkeypatch.setattr(schedules, "forward_backward_no_pipelining", forward_backward)
+    monkeypatch.setattr(gpt_model.GPTModel, "forward", lambda self: None)
+    training = SimpleNamespace(train_step=lambda micro_batches: schedules.forward_backward_no_pipelining(micro_batches))
+    said: list[str] = []
+    marks = phases.Marks(HostEvent, said.append)
+    phases.install(marks, training, schedules, gpt_model.GPTModel)
+    monkeypatch.setattr(HostEvent, "ready", True)
+    return marks, training, said
+
+
+def test_an_iteration_is_marked_at_each_forward_and_said_once_its_events_completed(marked) -> None:
+    marks, training, said = marked
+    training.train_step(4)
+    assert said == []  # its line waits for the next iteration's start, or the exit
+    HostEvent.ready = False
+    training.train_step(4)  # the first iteration's events are still running: nothing said, no wait
+    assert said == []
+    HostEvent.ready = True
+    training.train_step(2)
+    assert len(said) == 2
+    first = phases.summary("\n".join(said), skip=0)
+    assert list(first) == ["pre", "x", "F1", "B1", "F2", "B2", "F3", "B3", "F4", "Blast", "step"]
+    assert all(gpu >= 0 and host >= 0 for gpu, host in first.values())
+    marks.at_exit()  # the last iteration, two micro-batches
+    assert said[-1].startswith(phases.PREFIX) and "F2=" in said[-1] and "F3=" not in said[-1]
+
+
+def test_the_summary_takes_medians_past_the_first_lines_and_the_table_gives_differences() -> None:
+    lines = [f"{phases.PREFIX} pre=1.0/1.0 F1={ms}/{ms + 5} Blast=80.0/90.0 step=50.0/50.0" for ms in (900, 800, 700)]
+    lines += [f"{phases.PREFIX} pre=1.0/1.0 F1={ms}/{ms + 5} Blast=80.0/90.0 step=50.0/50.0" for ms in (50, 60, 70)]
+    rows = {"no offload": phases.summary("\n".join(lines))}
+    assert rows["no offload"]["F1"] == [60.0, 65.0]  # the first three lines left out
+    rows["capped"] = {"pre": [1.0, 1.0], "F1": [100.0, 101.0], "Blast": [120.0, 121.0], "step": [70.0, 70.0]}
+    text = phases.table(rows, base="no offload")
+    assert text.splitlines()[0].split()[:4] == ["pre", "F1", "Blast", "step"]
+    assert "+40.0" in text.splitlines()[2] and "+20.0" in text.splitlines()[2]
+    assert phases.order("B10") > phases.order("F10") > phases.order("B9") > phases.order("x")
+
+
+def test_the_sweep_prints_each_caps_phases_beside_no_offloads(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    launchers: list[str] = []
+
+    def run(name: str, argv: list[str], gpus: int, out: Path, env_extra: dict | None = None) -> dict:
+        offload = "--offload-optimizer-states" in argv
+        launchers.append(argv[argv.index("-m") + 1])
+        return {
+            "argv": argv, "returncode": 0, "losses": {i: 10.0 - i for i in range(1, 25)},
+            "step_ms_by_iteration": dict.fromkeys(range(1, 25), 700.0 if offload else 600.0),
+            "peak_allocated_GiB": 26.2 if not offload else 15.6, "peak_reserved_GiB": 26.4 if not offload else 16.2,
+            "parameters": 955_000_000,
+            "megatron_args": {"micro_batch_size": "2", "global_batch_size": "8", "data_parallel_size": "1"},
+            "phases_ms": {"F1": [110.0 if offload else 55.0, 108.0], "step": [70.0, 70.0]},
+        }  # fmt: skip
+
+    monkeypatch.setattr(side, "run", run)
+    monkeypatch.setattr(side, "preflight", lambda argv: None)
+    argv = ["megatron_side_by_side.py", "--sweep", "--phases", "--out", str(tmp_path), "--caps", "50"]
+    monkeypatch.setattr("sys.argv", [*argv, "--megatron-lm", str(tmp_path)])
+    (tmp_path / "pretrain_gpt.py").write_text("")
+    assert side.main() == 0
+    assert launchers == ["benchmarks.phases"] * 2  # no offload and the default under the cap, both marked
+    text = (tmp_path / "curve.txt").read_text()
+    assert "phases (benchmarks/phases.py)" in text
+    assert "+55.0" in text.splitlines()[-1] and text.splitlines()[-1].startswith("cap 50%: default")
+    assert curve.cell({"phases_ms": {"F1": [1.0, 2.0]}, "step_ms_by_iteration": {}}, None)["phases_ms"]
