@@ -17,7 +17,7 @@ completed, read without waiting; the rest at exit.
     python -m benchmarks.phases SCRIPT [ARGS...]     runs SCRIPT as ``python -m megatron_offload.run`` does
     python -m benchmarks.phases --summary LOG ...    each log's medians per phase (iterations 4 on)
 
-Without pipeline parallelism only (``forward_backward_no_pipelining``); other schedules run unmarked.
+Only ``forward_backward_no_pipelining`` is marked: with pipeline parallelism ``pre`` and ``Blast`` are missing.
 """
 
 from __future__ import annotations
