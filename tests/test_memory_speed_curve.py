@@ -216,7 +216,9 @@ def test_no_benchmark_imports_the_test_package() -> None:
             assert not any(n == "tests" or n.startswith("tests.") for n in names), f"{path.name} imports {names}"
 
 
-@pytest.mark.parametrize("module", ["offload_bandwidth", "sleep_wake", "megatron_side_by_side", "compare_memory"])
+@pytest.mark.parametrize(
+    "module", ["offload_bandwidth", "sleep_wake", "megatron_side_by_side", "compare_memory", "snapshot_layout"]
+)
 def test_benchmarks_start_from_the_checkout_without_pythonpath(module: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     result = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", "--help"], env=env, cwd=ROOT,
