@@ -15,6 +15,10 @@ the calls that queued them). An iteration's line is printed on global rank 0 onc
 completed, read without waiting; the rest at exit.
 
     python -m benchmarks.phases SCRIPT [ARGS...]     runs SCRIPT as ``python -m megatron_offload.run`` does
+    python -m benchmarks.phases --snapshot-forwards N PATH SCRIPT [ARGS...]
+                                                     also the allocator's snapshot at the end of each forward
+                                                     of iteration N (the activations' peaks), to PATH-F1.pickle,
+                                                     PATH-F2.pickle, ... (benchmarks/snapshot_layout.py reads them)
     python -m benchmarks.phases --summary LOG ...    each log's medians per phase (iterations 4 on)
 
 Only ``forward_backward_no_pipelining`` is marked: with pipeline parallelism ``pre`` and ``Blast`` are missing.
@@ -25,6 +29,7 @@ from __future__ import annotations
 import atexit
 import functools
 import itertools
+import pickle
 import re
 import statistics
 import sys
@@ -47,9 +52,16 @@ class Event(Protocol):
 class Marks:
     """Events of the iterations under way; one line for each once it has completed."""
 
-    def __init__(self, event: Callable[[], Event], say: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        event: Callable[[], Event],
+        say: Callable[[str], None],
+        after_forward: Callable[[int, int], None] | None = None,
+    ) -> None:
         self.event = event
         self.say = say
+        self.after_forward = after_forward  # called with (iteration, forward) as each forward ends
+        self.iterations = 0
         self.current: list[tuple[str, Event, float]] = []  # (phase ending here, event, host time)
         self.done: list[list[tuple[str, Event, float]]] = []  # whole iterations, events maybe still running
         self.forwards = 0
@@ -63,6 +75,7 @@ class Marks:
         if self.current:
             self.done.append(self.current)
         self.current, self.forwards = [], 0
+        self.iterations += 1
         self.mark("start")
         self.flush(wait=False)
 
@@ -74,6 +87,8 @@ class Marks:
 
     def forward_ends(self) -> None:
         self.mark(f"F{self.forwards}")
+        if self.after_forward is not None:
+            self.after_forward(self.iterations, self.forwards)
 
     def flush(self, wait: bool) -> None:
         """Say each finished iteration whose last event has completed (``wait``: all of them)."""
@@ -163,6 +178,9 @@ def main(argv: list[str]) -> int:
         rows = {path: summary(Path(path).read_text()) for path in argv[1:]}
         print(table(rows, base=next(iter(rows), None)), end="")
         return 0
+    snapshots: tuple[int, str] | None = None
+    if argv[:1] == ["--snapshot-forwards"]:
+        snapshots, argv = (int(argv[1]), argv[2]), argv[3:]
     import torch
     import torch.distributed as dist
 
@@ -179,7 +197,13 @@ def main(argv: list[str]) -> int:
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(text, flush=True)
 
-    marks = Marks(lambda: torch.cuda.Event(enable_timing=True), say)
+    def snapshot(iteration: int, forward: int) -> None:
+        if snapshots is not None and iteration == snapshots[0]:
+            rank = f"-rank{dist.get_rank()}" if dist.is_initialized() and dist.get_world_size() > 1 else ""
+            with open(f"{snapshots[1]}-F{forward}{rank}.pickle", "wb") as handle:
+                pickle.dump(torch.cuda.memory._snapshot(), handle)  # the allocator's books: no device sync
+
+    marks = Marks(lambda: torch.cuda.Event(enable_timing=True), say, snapshot)
     install(marks, training, schedules, gpt_model.GPTModel)
     atexit.register(marks.at_exit)
     return run.main(argv)

@@ -51,15 +51,17 @@ def marked(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(gpt_model.GPTModel, "forward", lambda self: None)
     training = SimpleNamespace(train_step=lambda micro_batches: schedules.forward_backward_no_pipelining(micro_batches))
     said: list[str] = []
-    marks = phases.Marks(HostEvent, said.append)
+    forwards: list[tuple[int, int]] = []
+    marks = phases.Marks(HostEvent, said.append, lambda iteration, forward: forwards.append((iteration, forward)))
     phases.install(marks, training, schedules, gpt_model.GPTModel)
     monkeypatch.setattr(HostEvent, "ready", True)
-    return marks, training, said
+    return marks, training, said, forwards
 
 
 def test_an_iteration_is_marked_at_each_forward_and_said_once_its_events_completed(marked) -> None:
-    marks, training, said = marked
+    marks, training, said, forwards = marked
     training.train_step(4)
+    assert forwards == [(1, 1), (1, 2), (1, 3), (1, 4)]  # where --snapshot-forwards takes its snapshots
     assert said == []  # its line waits for the next iteration's start, or the exit
     HostEvent.ready = False
     training.train_step(4)  # the first iteration's events are still running: nothing said, no wait
