@@ -80,9 +80,7 @@ class Marks:
         self.flush(wait=False)
 
     def forward_starts(self) -> None:
-        if self.current and self.current[-1][0] == "pre":
-            self.forwards = 0
-        self.forwards += 1
+        self.forwards += 1  # counted from iteration_starts
         self.mark(f"B{self.forwards - 1}" if self.forwards > 1 else "x")
 
     def forward_ends(self) -> None:
