@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import memory_speed_curve as curve
-from benchmarks import phases
+from benchmarks import phase_lines
 from benchmarks.memory_report import GIB, MIB, parse_log
 from benchmarks.run_logs import did_not_fit, failure_reason, logged_link_gbps
 from benchmarks.trace_summary import TraceError, load_trace
@@ -115,7 +115,7 @@ def run(name: str, argv: list[str], gpus: int, out: Path, env_extra: dict[str, s
         "allocator_retries_by_iteration": {i: log.steps[i].allocator_retries for i in iterations},
         "streamed_GiB_by_iteration": {i: log.steps[i].streamed_gib for i in iterations},
     }
-    if marked := phases.summary(text):  # run through benchmarks.phases (--phases): GPU and host ms per phase
+    if marked := phase_lines.summary(text):  # run through benchmarks.phases (--phases): GPU and host ms per phase
         figures["phases_ms"] = marked
     wanted = ("micro_batch_size", "global_batch_size", "data_parallel_size")
     figures["megatron_args"] = {key: log.args[key] for key in wanted if key in log.args}

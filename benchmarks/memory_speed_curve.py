@@ -30,7 +30,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks import phases
+from benchmarks import phase_lines
 from benchmarks.memory_report import GB, GIB, copy_gbps
 
 DEFAULT_CAPS = (90, 50, 0, 75, 25)  # most telling first: a call cut off at its limit still leaves a curve
@@ -312,5 +312,6 @@ def table(result: dict[str, Any]) -> str:
               for name, row in plan["rows"].items() if row.get("phases_ms") and "derived" not in row}  # fmt: skip
     if marked and result["no_offload"].get("phases_ms"):
         lines += ["", "phases (benchmarks/phases.py): no offload's GPU ms, the others' difference to it; host ms in ()"]
-        lines.append(phases.table({NO_OFFLOAD: result["no_offload"]["phases_ms"], **marked}, base=NO_OFFLOAD).rstrip())
+        rows = {NO_OFFLOAD: result["no_offload"]["phases_ms"], **marked}
+        lines.append(phase_lines.table(rows, base=NO_OFFLOAD).rstrip())
     return "\n".join(lines) + "\n"

@@ -19,7 +19,17 @@ completed, read without waiting; the rest at exit.
                                                      also the allocator's snapshot at the end of each forward
                                                      of iteration N (the activations' peaks), to PATH-F1.pickle,
                                                      PATH-F2.pickle, ... (benchmarks/snapshot_layout.py reads them)
+    python -m benchmarks.phases --allocator SCRIPT [ARGS...]
+                                                     also, per phase, the caching allocator's retries (each
+                                                     synchronizes every stream), its calls that mapped and
+                                                     unmapped device memory, and the host's ms in Python's
+                                                     garbage collector and in this project's hooks, a second line
+    python -m benchmarks.phases --snapshot-oom PATH SCRIPT [ARGS...]
+                                                     where an allocation fails, the allocator's snapshot then
+                                                     (PATH-oom.pickle) and the Python stack that asked (PATH-oom.txt)
     python -m benchmarks.phases --summary LOG ...    each log's medians per phase (iterations 4 on)
+
+Options combine, in any order before SCRIPT.
 
 Only ``forward_backward_no_pipelining`` is marked: with pipeline parallelism ``pre`` and ``Blast`` are missing.
 """
@@ -28,25 +38,15 @@ from __future__ import annotations
 
 import atexit
 import functools
-import itertools
 import pickle
-import re
-import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-PREFIX = "phases (GPU/host ms):"
-SKIPPED_LINES = 3  # the first iterations: the offloader learns, Megatron compiles
-
-
-class Event(Protocol):
-    def record(self) -> None: ...
-    def query(self) -> bool: ...
-    def synchronize(self) -> None: ...
-    def elapsed_time(self, other: Any) -> float: ...
+from benchmarks.phase_lines import ALLOCATOR_COUNTERS, Event, Mark, counter_line, line, summary, table
 
 
 class Marks:
@@ -57,25 +57,32 @@ class Marks:
         event: Callable[[], Event],
         say: Callable[[str], None],
         after_forward: Callable[[int, int], None] | None = None,
+        counters: Callable[[], tuple[int, ...]] | None = None,
+        first_iteration: Callable[[], None] | None = None,
     ) -> None:
         self.event = event
         self.say = say
         self.after_forward = after_forward  # called with (iteration, forward) as each forward ends
+        self.counters = counters  # the allocator's counters (ALLOCATOR_COUNTERS), read at each mark
+        self.first_iteration = first_iteration  # called as the first iteration starts (CUDA set up by then)
         self.iterations = 0
-        self.current: list[tuple[str, Event, float]] = []  # (phase ending here, event, host time)
-        self.done: list[list[tuple[str, Event, float]]] = []  # whole iterations, events maybe still running
+        self.current: list[Mark] = []  # (phase ending here, event, host time, counters)
+        self.done: list[list[Mark]] = []  # whole iterations, events maybe still running
         self.forwards = 0
 
     def mark(self, phase: str) -> None:
         event = self.event()
         event.record()
-        self.current.append((phase, event, time.perf_counter()))
+        counted = self.counters() if self.counters is not None else ()
+        self.current.append((phase, event, time.perf_counter(), counted))
 
     def iteration_starts(self) -> None:
         if self.current:
             self.done.append(self.current)
         self.current, self.forwards = [], 0
         self.iterations += 1
+        if self.iterations == 1 and self.first_iteration is not None:
+            self.first_iteration()
         self.mark("start")
         self.flush(wait=False)
 
@@ -94,20 +101,14 @@ class Marks:
             marks = self.done.pop(0)
             marks[-1][1].synchronize()  # completed already, or at exit
             self.say(line(marks))
+            if self.counters is not None:
+                self.say(counter_line(marks))
 
     def at_exit(self) -> None:
         if self.current and self.current[-1][0] == "step":
             self.done.append(self.current)
             self.current = []
         self.flush(wait=True)
-
-
-def line(marks: list[tuple[str, Event, float]]) -> str:
-    parts = [
-        f"{phase}={start.elapsed_time(end):.1f}/{(end_host - start_host) * 1e3:.1f}"
-        for (_, start, start_host), (phase, end, end_host) in itertools.pairwise(marks)
-    ]
-    return f"{PREFIX} " + " ".join(parts)
 
 
 def around(function: Callable[..., Any], before: Callable[[], None], after: Callable[[], None]) -> Callable[..., Any]:
@@ -132,43 +133,49 @@ def install(marks: Marks, training: Any, schedules: Any, gpt_model_class: Any) -
     gpt_model_class.forward = around(gpt_model_class.forward, marks.forward_starts, marks.forward_ends)
 
 
-def summary(text: str, skip: int = SKIPPED_LINES) -> dict[str, list[float]]:
-    """Per phase, the median GPU and host ms of a log's lines after the first ``skip``."""
-    lines = [line for line in text.splitlines() if line.startswith(PREFIX)][skip:]
-    gpu: dict[str, list[float]] = {}
-    host: dict[str, list[float]] = {}
-    for text_line in lines:
-        for phase, on_gpu, on_host in re.findall(r"(\w+)=([0-9.]+)/([0-9.]+)", text_line):
-            gpu.setdefault(phase, []).append(float(on_gpu))
-            host.setdefault(phase, []).append(float(on_host))
-    return {phase: [statistics.median(gpu[phase]), statistics.median(host[phase])] for phase in gpu}
+def time_hooks(host_ms: dict[str, float]) -> None:
+    """Add up the host's ms in Python's garbage collector and in this project's training-loop hooks (the
+    forward's and the backward's, wrapped before they are registered) into ``host_ms``."""
+    import gc
+
+    from megatron_offload.megatron import pacing
+
+    started = [0.0]
+
+    def collecting(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            host_ms["gc"] += (time.perf_counter() - started[0]) * 1e3
+
+    gc.callbacks.append(collecting)
+
+    def timed(function: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def hook(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                host_ms["hooks"] += (time.perf_counter() - start) * 1e3
+
+        return hook
+
+    pacing.RoomForForward.before_forward = timed(pacing.RoomForForward.before_forward)
+    pacing.PrefetchDuringBackward.on_grad_ready = timed(pacing.PrefetchDuringBackward.on_grad_ready)
 
 
-def order(phase: str) -> tuple[int, int]:
-    """Phases in the order they run: pre, x, F1, B1, F2, ..., Blast, step."""
-    if phase in ("pre", "x"):
-        return (0, ("pre", "x").index(phase))
-    if re.fullmatch(r"[FB]\d+", phase):
-        return (1, 2 * int(phase[1:]) + (phase[0] == "B"))
-    return (2, ("Blast", "step").index(phase) if phase in ("Blast", "step") else 2)
-
-
-def table(rows: dict[str, dict[str, list[float]]], base: str | None = None) -> str:
-    """GPU ms (host ms) per phase and row; with ``base``, each GPU figure's difference to the base row's."""
-    phases = sorted({phase for row in rows.values() for phase in row}, key=order)
-    lines = [f"{'':24}" + "".join(f"{phase:>14}" for phase in phases) + f"{'sum':>9}"]
-    for name, row in rows.items():
-        cells = []
-        for phase in phases:
-            if phase not in row:
-                cells.append(f"{'-':>14}")
-            elif base and base in rows and name != base and phase in rows[base]:
-                cells.append(f"{row[phase][0] - rows[base][phase][0]:+8.1f}({row[phase][1]:4.0f})")
-            else:
-                cells.append(f"{row[phase][0]:8.1f}({row[phase][1]:4.0f})")
-        total = sum(row[phase][0] for phase in phases if phase in row)
-        lines.append(f"{name[:24]:24}" + "".join(cells) + f"{total:9.1f}")
-    return "\n".join(lines) + "\n"
+def options(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """The options before SCRIPT: ``--snapshot-forwards N PATH``, ``--snapshot-oom PATH``, ``--allocator``."""
+    found: dict[str, Any] = {}
+    while argv[:1] and argv[0] in ("--snapshot-forwards", "--snapshot-oom", "--allocator"):
+        if argv[0] == "--snapshot-forwards":
+            found["forwards"], argv = (int(argv[1]), argv[2]), argv[3:]
+        elif argv[0] == "--snapshot-oom":
+            found["oom"], argv = argv[1], argv[2:]
+        else:
+            found["allocator"], argv = True, argv[1:]
+    return found, argv
 
 
 def main(argv: list[str]) -> int:
@@ -176,9 +183,7 @@ def main(argv: list[str]) -> int:
         rows = {path: summary(Path(path).read_text()) for path in argv[1:]}
         print(table(rows, base=next(iter(rows), None)), end="")
         return 0
-    snapshots: tuple[int, str] | None = None
-    if argv[:1] == ["--snapshot-forwards"]:
-        snapshots, argv = (int(argv[1]), argv[2]), argv[3:]
+    found, argv = options(argv)
     import torch
     import torch.distributed as dist
 
@@ -191,17 +196,41 @@ def main(argv: list[str]) -> int:
     except ImportError:
         return run.main(argv)  # which says what is missing, in one line
 
+    def rank() -> str:
+        return f"-rank{dist.get_rank()}" if dist.is_initialized() and dist.get_world_size() > 1 else ""
+
     def say(text: str) -> None:
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(text, flush=True)
 
     def snapshot(iteration: int, forward: int) -> None:
-        if snapshots is not None and iteration == snapshots[0]:
-            rank = f"-rank{dist.get_rank()}" if dist.is_initialized() and dist.get_world_size() > 1 else ""
-            with open(f"{snapshots[1]}-F{forward}{rank}.pickle", "wb") as handle:
+        if "forwards" in found and iteration == found["forwards"][0]:
+            with open(f"{found['forwards'][1]}-F{forward}{rank()}.pickle", "wb") as handle:
                 pickle.dump(torch.cuda.memory._snapshot(), handle)  # the allocator's books: no device sync
 
-    marks = Marks(lambda: torch.cuda.Event(enable_timing=True), say, snapshot)
+    def out_of_memory(device: int, asked: int, limit: int, free: int) -> None:
+        # Called by the allocator as an allocation fails, its lock released, before the error is raised.
+        with open(f"{found['oom']}-oom{rank()}.pickle", "wb") as handle:
+            pickle.dump(torch.cuda.memory._snapshot(), handle)
+        stack = "".join(traceback.format_stack()[:-1])
+        Path(f"{found['oom']}-oom{rank()}.txt").write_text(f"asked {asked} bytes, limit {limit}\n{stack}")
+
+    host_ms = {"gc": 0.0, "hooks": 0.0}
+    if found.get("allocator"):
+        time_hooks(host_ms)
+
+    def counters() -> tuple[float, ...]:
+        stats = torch._C._cuda_memoryStats(torch.cuda.current_device())
+        allocator = tuple(int(stats.get(name, 0)) for name in ALLOCATOR_COUNTERS)
+        return (*allocator, round(host_ms["gc"], 2), round(host_ms["hooks"], 2))
+
+    def first_iteration() -> None:
+        # Not before: attaching starts the allocator, which reads its settings (expandable segments) once.
+        if "oom" in found:
+            torch._C._cuda_attach_out_of_memory_observer(out_of_memory)
+
+    event = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+    marks = Marks(event, say, snapshot, counters if found.get("allocator") else None, first_iteration)
     install(marks, training, schedules, gpt_model.GPTModel)
     atexit.register(marks.at_exit)
     return run.main(argv)

@@ -26,6 +26,7 @@ from typing import Any
 
 MIB = 1024**2
 GIB = 1024**3
+PAGES_MIB = (2, 20)  # page sizes an expandable segment may map and unmap in (the driver's; PyTorch's large pool's)
 BINS_MIB = (2, 20, 64, 224, 1024)  # free-block size classes: below 2 MiB, 2-20, 20-64, 64-224, 224-1024, above
 OURS = ("megatron_offload", "megatron/")
 
@@ -47,7 +48,8 @@ def pools(snapshot: dict[str, Any], request: int) -> dict[str, dict[str, Any]]:
         pool = out.setdefault(
             segment.get("segment_type", "large"),
             {"segments": 0, "expandable": 0, "reserved": 0, "allocated": 0, "free": 0, "free_blocks": 0,
-             "largest_free": 0, "fit_request": 0, "free_runs": 0, "by_size": collections.Counter()},
+             "largest_free": 0, "fit_request": 0, "free_runs": 0, "by_size": collections.Counter(),
+             "pinned": dict.fromkeys(PAGES_MIB, 0)},
         )  # fmt: skip
         pool["segments"] += 1
         pool["expandable"] += bool(segment.get("is_expandable"))
@@ -65,8 +67,18 @@ def pools(snapshot: dict[str, Any], request: int) -> dict[str, dict[str, Any]]:
                 pool["fit_request"] += size >= request
                 pool["by_size"][size_class(size)] += size
                 pool["free_runs"] += not previous_free
+                for page in PAGES_MIB:
+                    pool["pinned"][page] += size - whole_pages(block.get("address", 0), size, page * MIB)
             previous_free = free
     return out
+
+
+def whole_pages(address: int, size: int, page: int) -> int:
+    """Bytes of ``[address, address + size)`` in whole ``page``-sized pages: what unmapping a free block can
+    give back. The rest shares a page with a live block and stays reserved however often the allocator retries."""
+    first = -(-address // page) * page
+    last = (address + size) // page * page
+    return max(0, last - first)
 
 
 def first_frame(frames: list[dict[str, Any]]) -> str:
@@ -113,6 +125,8 @@ def report(snapshot: dict[str, Any], request: int) -> tuple[dict[str, Any], str]
             f"{pool['free_blocks']} blocks ({pool['free_runs']} runs between live blocks), largest "
             f"{pool['largest_free'] / MIB:.0f} MiB, {pool['fit_request']} could hold the request"
         )
+        pinned = ", ".join(f"{nbytes / MIB:.0f} MiB in {page} MiB pages" for page, nbytes in pool["pinned"].items())
+        lines.append(f"    free but sharing a page with a live block (never unmapped): {pinned}")
         for size, nbytes in sorted(pool["by_size"].items(), key=lambda item: -item[1]):
             lines.append(f"    free in blocks of {size:>12}: {nbytes / MIB:9.0f} MiB")
     lines.append("live bytes by first frame in Megatron or megatron_offload:")

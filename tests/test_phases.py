@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks import megatron_side_by_side as side
 from benchmarks import memory_speed_curve as curve
-from benchmarks import phases
+from benchmarks import phase_lines, phases
 
 
 class HostEvent:
@@ -69,23 +69,24 @@ def test_an_iteration_is_marked_at_each_forward_and_said_once_its_events_complet
     HostEvent.ready = True
     training.train_step(2)
     assert len(said) == 2
-    first = phases.summary("\n".join(said), skip=0)
+    first = phase_lines.summary("\n".join(said), skip=0)
     assert list(first) == ["pre", "x", "F1", "B1", "F2", "B2", "F3", "B3", "F4", "Blast", "step"]
     assert all(gpu >= 0 and host >= 0 for gpu, host in first.values())
     marks.at_exit()  # the last iteration, two micro-batches
-    assert said[-1].startswith(phases.PREFIX) and "F2=" in said[-1] and "F3=" not in said[-1]
+    assert said[-1].startswith(phase_lines.PREFIX) and "F2=" in said[-1] and "F3=" not in said[-1]
 
 
 def test_the_summary_takes_medians_past_the_first_lines_and_the_table_gives_differences() -> None:
-    lines = [f"{phases.PREFIX} pre=1.0/1.0 F1={ms}/{ms + 5} Blast=80.0/90.0 step=50.0/50.0" for ms in (900, 800, 700)]
-    lines += [f"{phases.PREFIX} pre=1.0/1.0 F1={ms}/{ms + 5} Blast=80.0/90.0 step=50.0/50.0" for ms in (50, 60, 70)]
-    rows = {"no offload": phases.summary("\n".join(lines))}
+    prefix = phase_lines.PREFIX
+    lines = [f"{prefix} pre=1.0/1.0 F1={ms}/{ms + 5} Blast=80.0/90.0 step=50.0/50.0" for ms in (900, 800, 700, 50, 60)]
+    lines.append(f"{prefix} pre=1.0/1.0 F1=70/75 Blast=80.0/90.0 step=50.0/50.0")
+    rows = {"no offload": phase_lines.summary("\n".join(lines))}
     assert rows["no offload"]["F1"] == [60.0, 65.0]  # the first three lines left out
     rows["capped"] = {"pre": [1.0, 1.0], "F1": [100.0, 101.0], "Blast": [120.0, 121.0], "step": [70.0, 70.0]}
-    text = phases.table(rows, base="no offload")
+    text = phase_lines.table(rows, base="no offload")
     assert text.splitlines()[0].split()[:4] == ["pre", "F1", "Blast", "step"]
     assert "+40.0" in text.splitlines()[2] and "+20.0" in text.splitlines()[2]
-    assert phases.order("B10") > phases.order("F10") > phases.order("B9") > phases.order("x")
+    assert phase_lines.order("B10") > phase_lines.order("F10") > phase_lines.order("B9") > phase_lines.order("x")
 
 
 def test_the_sweep_prints_each_caps_phases_beside_no_offloads(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -114,3 +115,28 @@ def test_the_sweep_prints_each_caps_phases_beside_no_offloads(monkeypatch: pytes
     assert "phases (benchmarks/phases.py)" in text
     assert "+55.0" in text.splitlines()[-1] and text.splitlines()[-1].startswith("cap 50%: default")
     assert curve.cell({"phases_ms": {"F1": [1.0, 2.0]}, "step_ms_by_iteration": {}}, None)["phases_ms"]
+
+
+def test_the_allocator_line_gives_what_each_counter_grew_by_in_each_phase(marked) -> None:
+    marks, training, said, _ = marked
+    readings = iter(range(0, 10_000, 7))
+    marks.counters = lambda: (next(readings), 0, 3, 0.5 * len(marks.current), 2.0)  # retries grow by 7 a mark
+    started: list[int] = []
+    marks.first_iteration = lambda: started.append(marks.iterations)  # where --snapshot-oom attaches
+    training.train_step(2)
+    training.train_step(2)
+    marks.at_exit()
+    assert started == [1]  # once, as the first iteration starts (CUDA is set up by then)
+    assert said[0].startswith(phase_lines.PREFIX) and said[1].startswith(phase_lines.ALLOCATOR_PREFIX)
+    assert "F1=7/0/0/0.5/0" in said[1] and "step=7/0/0/0.5/0" in said[1]
+    retries = phase_lines.summary("\n".join(said), skip=0, prefix=phase_lines.ALLOCATOR_PREFIX)
+    assert retries["F1"] == [7, 0] and list(retries)[:3] == ["pre", "x", "F1"]
+    host_fields = ("gc ms", "hooks ms")
+    host = phase_lines.summary("\n".join(said), skip=0, prefix=phase_lines.ALLOCATOR_PREFIX, fields=host_fields)
+    assert host["B1"] == [0.5, 0.0]
+
+
+def test_options_before_the_script_combine_in_any_order() -> None:
+    found, argv = phases.options(["--allocator", "--snapshot-oom", "o", "--snapshot-forwards", "12", "p", "s.py", "-x"])
+    assert found == {"allocator": True, "oom": "o", "forwards": (12, "p")} and argv == ["s.py", "-x"]
+    assert phases.options(["s.py", "--allocator"]) == ({}, ["s.py", "--allocator"])  # the script's own flags stay

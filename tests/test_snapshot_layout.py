@@ -65,3 +65,14 @@ def test_free_memory_between_live_blocks_is_counted_against_the_request(tmp_path
     assert layout.main([str(path), "--request-mib", "64", "--json", str(tmp_path / "layout.json")]) == 0
     assert "4 could hold the request" in capsys.readouterr().out  # every 64 MiB hole holds 64 MiB
     assert (tmp_path / "layout.json").is_file()
+
+
+def test_free_bytes_sharing_a_page_with_a_live_block_are_counted_per_page_size() -> None:
+    figures, text = layout.report(snapshot(), 224 * MIB)
+    pinned = figures["pools"]["large"]["pinned"]
+    assert pinned[2] == 0  # every hole starts and ends on a 2 MiB boundary
+    # 20 MiB pages: the hole at 64-128 MiB keeps 64-80 and 120-128, 352-416 keeps 352-360 and 400-416,
+    # 416-480 keeps 416-420, 544-744 keeps 544-560 and 740-744
+    assert pinned[20] == ((16 + 8) + (8 + 16) + 4 + (16 + 4)) * MIB
+    assert layout.whole_pages(5 * MIB, 10 * MIB, 2 * MIB) == 8 * MIB  # 6-14 MiB
+    assert "72 MiB in 20 MiB pages" in text

@@ -1,0 +1,92 @@
+"""The lines benchmarks/phases.py prints, and reading them back: each iteration's GPU and host milliseconds per
+phase, the allocator's and the host's counters per phase, their medians or means over a log, and a table of
+runs side by side (the sweep's text uses it too)."""
+
+from __future__ import annotations
+
+import itertools
+import re
+import statistics
+from typing import Any, Protocol
+
+PREFIX = "phases (GPU/host ms):"
+ALLOCATOR_PREFIX = "allocator and host per phase (retries/maps/unmaps/gc ms/hooks ms):"
+ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free")
+COUNTED = ("retries", "maps", "unmaps", "gc ms", "hooks ms")  # the fields of an allocator line
+SKIPPED_LINES = 3  # the first iterations: the offloader learns, Megatron compiles
+
+
+class Event(Protocol):
+    def record(self) -> None: ...
+    def query(self) -> bool: ...
+    def synchronize(self) -> None: ...
+    def elapsed_time(self, other: Any) -> float: ...
+
+
+Mark = tuple[str, Event, float, tuple[int, ...]]
+
+
+def line(marks: list[Mark]) -> str:
+    parts = [
+        f"{phase}={start.elapsed_time(end):.1f}/{(end_host - start_host) * 1e3:.1f}"
+        for (_, start, start_host, _), (phase, end, end_host, _) in itertools.pairwise(marks)
+    ]
+    return f"{PREFIX} " + " ".join(parts)
+
+
+def counter_line(marks: list[Mark]) -> str:
+    """Per phase, how much each counter (COUNTED) grew in it (read on the host as the phase was queued)."""
+    parts = [
+        f"{phase}=" + "/".join(f"{b - a:g}" for a, b in zip(before, after, strict=True))
+        for (_, _, _, before), (phase, _, _, after) in itertools.pairwise(marks)
+    ]
+    return f"{ALLOCATOR_PREFIX} " + " ".join(parts)
+
+
+def summary(
+    text: str, skip: int = SKIPPED_LINES, prefix: str = PREFIX, fields: tuple[str, str] = ("retries", "maps")
+) -> dict[str, list[float]]:
+    """Per phase, the median GPU and host ms of a log's lines after the first ``skip`` (``prefix``
+    ALLOCATOR_PREFIX: the means of two ``fields`` of COUNTED in the allocator's lines instead)."""
+    lines = [line for line in text.splitlines() if line.startswith(prefix)][skip:]
+    if prefix == ALLOCATOR_PREFIX:
+        counts: dict[str, list[list[float]]] = {}
+        for text_line in lines:
+            for phase, values in re.findall(r"(\w+)=([0-9.e+-]+(?:/[0-9.e+-]+){4})", text_line):
+                counts.setdefault(phase, []).append([float(value) for value in values.split("/")])
+        picked = [COUNTED.index(field) for field in fields]
+        return {phase: [statistics.mean(c[i] for c in rows) for i in picked] for phase, rows in counts.items()}
+    gpu: dict[str, list[float]] = {}
+    host: dict[str, list[float]] = {}
+    for text_line in lines:
+        for phase, on_gpu, on_host in re.findall(r"(\w+)=([0-9.]+)/([0-9.]+)", text_line):
+            gpu.setdefault(phase, []).append(float(on_gpu))
+            host.setdefault(phase, []).append(float(on_host))
+    return {phase: [statistics.median(gpu[phase]), statistics.median(host[phase])] for phase in gpu}
+
+
+def order(phase: str) -> tuple[int, int]:
+    """Phases in the order they run: pre, x, F1, B1, F2, ..., Blast, step."""
+    if phase in ("pre", "x"):
+        return (0, ("pre", "x").index(phase))
+    if re.fullmatch(r"[FB]\d+", phase):
+        return (1, 2 * int(phase[1:]) + (phase[0] == "B"))
+    return (2, ("Blast", "step").index(phase) if phase in ("Blast", "step") else 2)
+
+
+def table(rows: dict[str, dict[str, list[float]]], base: str | None = None) -> str:
+    """GPU ms (host ms) per phase and row; with ``base``, each GPU figure's difference to the base row's."""
+    phases = sorted({phase for row in rows.values() for phase in row}, key=order)
+    lines = [f"{'':24}" + "".join(f"{phase:>14}" for phase in phases) + f"{'sum':>9}"]
+    for name, row in rows.items():
+        cells = []
+        for phase in phases:
+            if phase not in row:
+                cells.append(f"{'-':>14}")
+            elif base and base in rows and name != base and phase in rows[base]:
+                cells.append(f"{row[phase][0] - rows[base][phase][0]:+8.1f}({row[phase][1]:4.0f})")
+            else:
+                cells.append(f"{row[phase][0]:8.1f}({row[phase][1]:4.0f})")
+        total = sum(row[phase][0] for phase in phases if phase in row)
+        lines.append(f"{name[:24]:24}" + "".join(cells) + f"{total:9.1f}")
+    return "\n".join(lines) + "\n"
