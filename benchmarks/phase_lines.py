@@ -23,7 +23,7 @@ class Event(Protocol):
     def elapsed_time(self, other: Any) -> float: ...
 
 
-Mark = tuple[str, Event, float, tuple[int, ...]]
+Mark = tuple[str, Event, float, tuple[float, ...]]  # (phase ending here, event, host time, counters)
 
 
 def line(marks: list[Mark]) -> str:

@@ -57,13 +57,13 @@ class Marks:
         event: Callable[[], Event],
         say: Callable[[str], None],
         after_forward: Callable[[int, int], None] | None = None,
-        counters: Callable[[], tuple[int, ...]] | None = None,
+        counters: Callable[[], tuple[float, ...]] | None = None,
         first_iteration: Callable[[], None] | None = None,
     ) -> None:
         self.event = event
         self.say = say
         self.after_forward = after_forward  # called with (iteration, forward) as each forward ends
-        self.counters = counters  # the allocator's counters (ALLOCATOR_COUNTERS), read at each mark
+        self.counters = counters  # the counters of COUNTED (the allocator's, the host's ms), read at each mark
         self.first_iteration = first_iteration  # called as the first iteration starts (CUDA set up by then)
         self.iterations = 0
         self.current: list[Mark] = []  # (phase ending here, event, host time, counters)

@@ -67,17 +67,19 @@ def pools(snapshot: dict[str, Any], request: int) -> dict[str, dict[str, Any]]:
                 pool["fit_request"] += size >= request
                 pool["by_size"][size_class(size)] += size
                 pool["free_runs"] += not previous_free
+                offset = block.get("address", 0) - segment.get("address", 0)  # pages count from the segment's start
                 for page in PAGES_MIB:
-                    pool["pinned"][page] += size - whole_pages(block.get("address", 0), size, page * MIB)
+                    pool["pinned"][page] += size - whole_pages(offset, size, page * MIB)
             previous_free = free
     return out
 
 
-def whole_pages(address: int, size: int, page: int) -> int:
-    """Bytes of ``[address, address + size)`` in whole ``page``-sized pages: what unmapping a free block can
-    give back. The rest shares a page with a live block and stays reserved however often the allocator retries."""
-    first = -(-address // page) * page
-    last = (address + size) // page * page
+def whole_pages(offset: int, size: int, page: int) -> int:
+    """Bytes of ``[offset, offset + size)`` (from its segment's start, where pages start) in whole ``page``-sized
+    pages: what unmapping a free block can give back. The rest shares a page with a live block and stays
+    reserved however often the allocator retries."""
+    first = -(-offset // page) * page
+    last = (offset + size) // page * page
     return max(0, last - first)
 
 

@@ -76,3 +76,10 @@ def test_free_bytes_sharing_a_page_with_a_live_block_are_counted_per_page_size()
     assert pinned[20] == ((16 + 8) + (8 + 16) + 4 + (16 + 4)) * MIB
     assert layout.whole_pages(5 * MIB, 10 * MIB, 2 * MIB) == 8 * MIB  # 6-14 MiB
     assert "72 MiB in 20 MiB pages" in text
+    # Pages start where the segment starts: the same layout 10 MiB further on pins the same bytes.
+    moved = snapshot()
+    large = moved["segments"][0]
+    large["address"] = 10 * MIB
+    for entry in large["blocks"]:
+        entry["address"] += 10 * MIB
+    assert layout.report(moved, 224 * MIB)[0]["pools"]["large"]["pinned"] == pinned
