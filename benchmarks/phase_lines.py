@@ -43,19 +43,9 @@ def counter_line(marks: list[Mark]) -> str:
     return f"{ALLOCATOR_PREFIX} " + " ".join(parts)
 
 
-def summary(
-    text: str, skip: int = SKIPPED_LINES, prefix: str = PREFIX, fields: tuple[str, str] = ("retries", "maps")
-) -> dict[str, list[float]]:
-    """Per phase, the median GPU and host ms of a log's lines after the first ``skip`` (``prefix``
-    ALLOCATOR_PREFIX: the means of two ``fields`` of COUNTED in the allocator's lines instead)."""
-    lines = [line for line in text.splitlines() if line.startswith(prefix)][skip:]
-    if prefix == ALLOCATOR_PREFIX:
-        counts: dict[str, list[list[float]]] = {}
-        for text_line in lines:
-            for phase, values in re.findall(r"(\w+)=([0-9.e+-]+(?:/[0-9.e+-]+){4})", text_line):
-                counts.setdefault(phase, []).append([float(value) for value in values.split("/")])
-        picked = [COUNTED.index(field) for field in fields]
-        return {phase: [statistics.mean(c[i] for c in rows) for i in picked] for phase, rows in counts.items()}
+def summary(text: str, skip: int = SKIPPED_LINES) -> dict[str, list[float]]:
+    """Per phase, the median GPU and host ms of a log's lines after the first ``skip``."""
+    lines = [line for line in text.splitlines() if line.startswith(PREFIX)][skip:]
     gpu: dict[str, list[float]] = {}
     host: dict[str, list[float]] = {}
     for text_line in lines:
@@ -90,3 +80,16 @@ def table(rows: dict[str, dict[str, list[float]]], base: str | None = None) -> s
         total = sum(row[phase][0] for phase in phases if phase in row)
         lines.append(f"{name[:24]:24}" + "".join(cells) + f"{total:9.1f}")
     return "\n".join(lines) + "\n"
+
+
+def counter_summary(
+    text: str, fields: tuple[str, str] = ("retries", "maps"), skip: int = SKIPPED_LINES
+) -> dict[str, list[float]]:
+    """Per phase, the means of two ``fields`` (of COUNTED) over a log's allocator lines after the first ``skip``:
+    the same shape as ``summary``'s, so that ``table`` prints them."""
+    counts: dict[str, list[list[float]]] = {}
+    for text_line in [line for line in text.splitlines() if line.startswith(ALLOCATOR_PREFIX)][skip:]:
+        for phase, values in re.findall(r"(\w+)=([0-9.e+-]+(?:/[0-9.e+-]+){4})", text_line):
+            counts.setdefault(phase, []).append([float(value) for value in values.split("/")])
+    picked = [COUNTED.index(field) for field in fields]
+    return {phase: [statistics.mean(c[i] for c in rows) for i in picked] for phase, rows in counts.items()}

@@ -129,10 +129,10 @@ def test_the_allocator_line_gives_what_each_counter_grew_by_in_each_phase(marked
     assert started == [1]  # once, as the first iteration starts (CUDA is set up by then)
     assert said[0].startswith(phase_lines.PREFIX) and said[1].startswith(phase_lines.ALLOCATOR_PREFIX)
     assert "F1=7/0/0/0.5/0" in said[1] and "step=7/0/0/0.5/0" in said[1]
-    retries = phase_lines.summary("\n".join(said), skip=0, prefix=phase_lines.ALLOCATOR_PREFIX)
+    retries = phase_lines.counter_summary("\n".join(said), skip=0)
     assert retries["F1"] == [7, 0] and list(retries)[:3] == ["pre", "x", "F1"]
     host_fields = ("gc ms", "hooks ms")
-    host = phase_lines.summary("\n".join(said), skip=0, prefix=phase_lines.ALLOCATOR_PREFIX, fields=host_fields)
+    host = phase_lines.counter_summary("\n".join(said), host_fields, skip=0)
     assert host["B1"] == [0.5, 0.0]
 
 
