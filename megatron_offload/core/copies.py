@@ -73,6 +73,12 @@ class CopyQueue:
         """The copies in ``direction`` not started yet, oldest first."""
         return list(self._queued[direction])
 
+    def pending_bytes(self, direction: str) -> int:
+        """Bytes the copies in ``direction`` write, queued or not seen landed yet (``retire_landed`` first)."""
+        self.retire_landed()
+        copies = [*self._queued[direction], *self._flying[direction]]
+        return sum(destination.nbytes for copy in copies for destination, _ in copy.pairs)
+
     def put(self, copy: Copy, now: bool = False) -> Copy:
         """Queue ``copy``; ``now``: start it at once (its stream waits on the device for ``after``)."""
         self._queued[copy.direction].append(copy)

@@ -1,7 +1,8 @@
 """The optimizer step, chunk by chunk, streaming what is not back yet through a few GPU buffers.
 
 Chunks already on the GPU are updated first, in groups, while the first streamed chunks come in; their
-copies out are left for the loop's next points. The others stream through ``STAGING_CHUNKS`` buffers
+copies out start between the streamed chunks' (``ShareOut``), or at the loop's next points when nothing
+streams. The others stream through ``STAGING_CHUNKS`` buffers
 (chunk i+2 in, i updated, i-1 out, at once), every order kept on the device, so the host never waits.
 NOTE: a streamed chunk's copy out starts within the step (its buffer is needed again).
 NOTE: with a ``stage`` (params whose values and gradients live in device-mapped host memory), each
@@ -13,11 +14,14 @@ updates them where they are.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from megatron_offload.core.copies import CopyQueue
+from megatron_offload.core.streams import PREFETCH
 from megatron_offload.core.units import MIB
 from megatron_offload.optimizer_state import plan as planning
 from megatron_offload.optimizer_state.chunk_step import ChunkStepper
@@ -25,9 +29,10 @@ from megatron_offload.optimizer_state.plan import Chunk
 from megatron_offload.optimizer_state.staged_params import STAGED_BUFFERS, staged_bytes
 
 if TYPE_CHECKING:
+    from megatron_offload.optimizer_state.chunk_copies import ChunkCopy
     from megatron_offload.optimizer_state.offloader import OptimizerStateOffloader
 
-__all__ = ["READY_GROUP_BYTES", "STAGING_CHUNKS", "footprint", "run", "staged_footprint"]
+__all__ = ["READY_GROUP_BYTES", "STAGING_CHUNKS", "ShareOut", "footprint", "run", "staged_footprint"]
 
 # Buffers the streamed step cycles through: one chunk coming in, one updated, one going out.
 STAGING_CHUNKS = 3
@@ -99,6 +104,7 @@ def run(
     stepper: ChunkStepper,
     after_chunk: AfterChunk | None = None,
     stage: Stage | None = None,
+    forward_hides: int = 0,
 ) -> None:
     """Run the optimizer step chunk by chunk and leave the state leaving (kept chunks on the GPU).
     ``after_chunk(params)`` runs right after each chunk's update, while its state is on the GPU
@@ -169,15 +175,19 @@ def run(
             stage.begin([[p for c in group for p in c.params] for group in [*ready_groups, *([c] for c in streamed)]])
         for index in range(min(STAGING_CHUNKS - 1, len(streamed))):
             bring_in(index, fresh)
+        moving = sum(chunk.nbytes for chunk in ready if not chunk.kept)
+        coming = off.copies.pending_bytes(PREFETCH)  # what came back late and the first streamed chunks
+        beside = ShareOut(off.copies, moving, coming, sum(chunk.nbytes for chunk in streamed), forward_hides)
         for group in ready_groups:
             update(group)
             for chunk in group:
                 if not chunk.kept:
-                    off.queue_offload(chunk)  # started by the next points, a few at a time
+                    beside.add(off.queue_offload(chunk))
         leaving = []
         for index, chunk in enumerate(streamed):
             created = update([chunk])
             leaving.append(off.queue_offload(chunk, now=True))  # its buffer is needed again: out at once
+            beside.streamed_out(chunk)
             excess = off.leaving_bytes - STAGING_CHUNKS * size
             if created and excess > 0:
                 # Adam's first step makes the moments in memory of their own, faster than they can leave:
@@ -193,6 +203,43 @@ def run(
         off.queue_out()  # whatever is still here and not kept leaves, never half-way (the plan was checked above)
         off.count_step()
         off.copies.pump()
+
+
+class ShareOut:
+    """The ready chunks' copies out, started within the step so that the link's other direction carries
+    them while state comes in (both at once), instead of the next forward, which must free that memory
+    before its activations grow. All but ``left`` bytes (what the forward hides behind its compute; the
+    last ones): during the ready chunks' updates in proportion to the bytes coming in meanwhile, then
+    spread over the streamed chunks, so that each streamed chunk's copy out, which frees a staging
+    buffer, waits behind a share only. What is left stays queued for the loop's next points."""
+
+    def __init__(self, copies: CopyQueue, moving: int, coming: int, streamed: int, left: int) -> None:
+        self.copies = copies
+        self.waiting: deque[ChunkCopy] = deque()
+        self.goal = max(0, moving - left)  # bytes of ready chunks to start within the step
+        self.coming = coming  # bytes coming in before the first streamed chunk's update
+        self.streamed = streamed
+        self.passed = self.started = 0
+
+    def add(self, copy: ChunkCopy | None) -> None:
+        """A ready chunk's copy out has been queued (None: it needed none)."""
+        if copy is not None:
+            self.waiting.append(copy)
+        self._start_due()
+
+    def streamed_out(self, chunk: Chunk) -> None:
+        """A streamed chunk's copy out has been queued."""
+        self.passed += chunk.nbytes
+        self._start_due()
+
+    def _start_due(self) -> None:
+        whole = self.coming + self.streamed
+        due = self.goal if not whole else self.goal * (self.coming + self.passed) // whole
+        while self.waiting and self.started < due:
+            copy = self.waiting.popleft()
+            if copy.done is None and copy.pairs:  # not started by a point meanwhile, nor dropped
+                self.copies.start(copy)
+            self.started += copy.chunk.nbytes
 
 
 def _whole_step(

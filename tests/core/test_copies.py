@@ -139,3 +139,16 @@ def test_release_orders_the_compute_stream_after_the_oldest_copies_out_and_drops
         gate.open = True
     queue.pump()
     assert queue.idle
+
+
+def test_pending_bytes_count_what_is_queued_or_not_seen_landed_in_one_direction() -> None:
+    streams = GatedStreams()
+    queue = CopyQueue(streams)
+    for _ in range(IN_FLIGHT + 1):
+        queue_and_keep(queue, direction=PREFETCH)  # 8 float32s each
+    queue_and_keep(queue, direction=OFFLOAD)
+    queue.pump()
+    assert queue.pending_bytes(PREFETCH) == (IN_FLIGHT + 1) * 32 and queue.pending_bytes(OFFLOAD) == 32
+    streams.started[0][1].open = True  # the first copy out lands
+    streams.started[1][1].open = True  # and the first copy in
+    assert queue.pending_bytes(PREFETCH) == IN_FLIGHT * 32 and queue.pending_bytes(OFFLOAD) == 0
