@@ -14,25 +14,23 @@ updates them where they are.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from megatron_offload.core.copies import CopyQueue
 from megatron_offload.core.streams import PREFETCH
 from megatron_offload.core.units import MIB
 from megatron_offload.optimizer_state import plan as planning
 from megatron_offload.optimizer_state.chunk_step import ChunkStepper
 from megatron_offload.optimizer_state.plan import Chunk
+from megatron_offload.optimizer_state.share_out import ShareOut
 from megatron_offload.optimizer_state.staged_params import STAGED_BUFFERS, staged_bytes
 
 if TYPE_CHECKING:
-    from megatron_offload.optimizer_state.chunk_copies import ChunkCopy
     from megatron_offload.optimizer_state.offloader import OptimizerStateOffloader
 
-__all__ = ["READY_GROUP_BYTES", "STAGING_CHUNKS", "ShareOut", "footprint", "run", "staged_footprint"]
+__all__ = ["READY_GROUP_BYTES", "STAGING_CHUNKS", "footprint", "run", "staged_footprint"]
 
 # Buffers the streamed step cycles through: one chunk coming in, one updated, one going out.
 STAGING_CHUNKS = 3
@@ -110,7 +108,8 @@ def run(
     ``after_chunk(params)`` runs right after each chunk's update, while its state is on the GPU
     (Megatron copies the masters into the model there). State the optimizer creates on the way (Adam's
     moments, at its first step) joins its chunk and leaves with it. Falls back to one whole step when
-    the plan does not match the state (after a load replaced tensors). ``stage``: see the NOTE above."""
+    the plan does not match the state (after a load replaced tensors). ``stage``: see the NOTE above.
+    ``forward_hides``: bytes of the ready chunks' copies out left queued for the next forward (``ShareOut``)."""
     off.copies.pump()  # a failed copy is named here, before anything is updated
     off.check_gradients()
     stepper.begin()
@@ -203,43 +202,6 @@ def run(
         off.queue_out()  # whatever is still here and not kept leaves, never half-way (the plan was checked above)
         off.count_step()
         off.copies.pump()
-
-
-class ShareOut:
-    """The ready chunks' copies out, started within the step so that the link's other direction carries
-    them while state comes in (both at once), instead of the next forward, which must free that memory
-    before its activations grow. All but ``left`` bytes (what the forward hides behind its compute; the
-    last ones): during the ready chunks' updates in proportion to the bytes coming in meanwhile, then
-    spread over the streamed chunks, so that each streamed chunk's copy out, which frees a staging
-    buffer, waits behind a share only. What is left stays queued for the loop's next points."""
-
-    def __init__(self, copies: CopyQueue, moving: int, coming: int, streamed: int, left: int) -> None:
-        self.copies = copies
-        self.waiting: deque[ChunkCopy] = deque()
-        self.goal = max(0, moving - left)  # bytes of ready chunks to start within the step
-        self.coming = coming  # bytes coming in before the first streamed chunk's update
-        self.streamed = streamed
-        self.passed = self.started = 0
-
-    def add(self, copy: ChunkCopy | None) -> None:
-        """A ready chunk's copy out has been queued (None: it needed none)."""
-        if copy is not None:
-            self.waiting.append(copy)
-        self._start_due()
-
-    def streamed_out(self, chunk: Chunk) -> None:
-        """A streamed chunk's copy out has been queued."""
-        self.passed += chunk.nbytes
-        self._start_due()
-
-    def _start_due(self) -> None:
-        whole = self.coming + self.streamed
-        due = self.goal if not whole else self.goal * (self.coming + self.passed) // whole
-        while self.waiting and self.started < due:
-            copy = self.waiting.popleft()
-            if copy.done is None and copy.pairs:  # not started by a point meanwhile, nor dropped
-                self.copies.start(copy)
-            self.started += copy.chunk.nbytes
 
 
 def _whole_step(

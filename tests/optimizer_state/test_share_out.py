@@ -1,4 +1,4 @@
-"""The ready chunks' copies out within the streamed step (``streamed_step.ShareOut``), on the CPU.
+"""The ready chunks' copies out within the streamed step (``share_out.ShareOut``), on the CPU.
 
 What it proves: chunks that came back before the step start their copies out inside it, between the
 streamed chunks' copies out rather than all ahead of them; all but the bytes left to the forward (the last
