@@ -23,6 +23,8 @@
 #                         pass beside megatron-core's passes and no offload, bitwise), short (the 4.18B GPT at
 #                         4,096 tokens x 4 micro-batches under 16 GiB beside no offload, the link measured first, H200)
 #            nightly      (not in the default) scripts/nightly_memory.sh without the CPU-offload reference row
+#            stepspeed    (not in the default) benchmarks/streamed_step_speed.py: the optimizer-state offloader's
+#                         streamed step, its copies alone and AdamW's own step beside the link ($STEPSPEED_ARGS)
 #            weights      (not in the default) benchmarks/weight_streaming.py: configs/gpt_1b.yaml at micro-batch 8
 #                         beside no offload, log intervals 1 and 5 (~7 min), and configs/gpt_4b.yaml under a
 #                         20 GiB cap (~4 min): run as two calls, WEIGHTS_PART=speed or fit; or WEIGHTS_PART=16k:
@@ -134,6 +136,12 @@ if wants nightly; then  # not in the default PARTS: five runs of configs/nightly
   echo "=== nightly memory comparison"
   SKIP_CPU_OFFLOAD=1 OUT="$results/nightly" bash scripts/nightly_memory.sh 2>&1 | tee "$results/nightly.log" \
     | grep -vE "Warning|warn" | tail -n 16
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if wants stepspeed; then  # not in the default PARTS: the streamed step beside the link, no Megatron (~2 min)
+  echo "=== the streamed step beside the host link (${STEPSPEED_ARGS:---chunk-mb 64 128 --staging 3 4})"
+  python3 -m benchmarks.streamed_step_speed ${STEPSPEED_ARGS:---chunk-mb 64 128 --staging 3 4} \
+    --json "$results/streamed-step-speed.json" 2>&1 | tee "$results/streamed-step-speed.log" | grep -v pinning | tail -n 12
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if wants integration; then
