@@ -43,13 +43,13 @@ GB = 1e9
 
 def gpt_shapes(config: dict[str, Any]) -> list[tuple[int, ...]]:
     """The parameter shapes of Megatron's GPT with the local spec (biases, two LayerNorms a layer, learned
-    positions, untied output layer), the vocabulary padded to a multiple of 128."""
+    positions, an output layer of its own where untied), the vocabulary padded to a multiple of 128."""
     h, f = int(config["hidden-size"]), int(config.get("ffn-hidden-size", 4 * int(config["hidden-size"])))
     vocab = -(-int(config.get("vocab-size", 50257)) // 128) * 128
     layer = [(h,), (h,), (3 * h, h), (3 * h,), (h, h), (h,), (h,), (h,), (f, h), (f,), (h, f), (h,)]
     shapes = [(vocab, h), (int(config.get("max-position-embeddings", config["seq-length"])), h)]
-    shapes += layer * int(config["num-layers"]) + [(h,), (h,), (vocab, h)]
-    return shapes
+    shapes += layer * int(config["num-layers"]) + [(h,), (h,)]
+    return shapes + [(vocab, h)] if config.get("untie-embeddings-and-output-weights") else shapes
 
 
 def build(shapes: list[tuple[int, ...]]) -> tuple[torch.optim.AdamW, list[torch.nn.Parameter]]:
