@@ -1,9 +1,9 @@
 """The optimizer step, chunk by chunk, streaming what is not back yet through a few GPU buffers.
 
 Chunks already on the GPU are updated first, in groups, while the first streamed chunks come in; their
-copies out start between the streamed chunks' (``ShareOut``), or at the loop's next points when nothing
-streams. The others stream through ``STAGING_CHUNKS`` buffers
-(chunk i+2 in, i updated, i-1 out, at once), every order kept on the device, so the host never waits.
+copies out start within the step (``ShareOut``: between the streamed chunks', all at once when nothing
+streams), but for the bytes left to the loop's next points. The others stream through ``STAGING_CHUNKS``
+buffers (chunk i+2 in, i updated, i-1 out, at once), every order kept on the device, so the host never waits.
 NOTE: a streamed chunk's copy out starts within the step (its buffer is needed again).
 NOTE: with a ``stage`` (params whose values and gradients live in device-mapped host memory), each
 group's params and gradients come to the GPU ahead of its update (the stage is told the order first),
