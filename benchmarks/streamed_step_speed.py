@@ -78,7 +78,14 @@ def timed(run, steps: int) -> dict[str, float]:
 
 
 def step_row(optimizer, masters, fraction: float, chunk_mb: int, staging: int, steps: int) -> dict[str, Any]:
-    streamed_step.STAGING_CHUNKS = staging  # the buffers the step cycles through, read at each run
+    default, streamed_step.STAGING_CHUNKS = streamed_step.STAGING_CHUNKS, staging  # read at each run
+    try:
+        return _step_row(optimizer, masters, fraction, chunk_mb, steps)
+    finally:
+        streamed_step.STAGING_CHUNKS = default
+
+
+def _step_row(optimizer, masters, fraction: float, chunk_mb: int, steps: int) -> dict[str, Any]:
     optimizer.step()  # Adam's moments exist: the plan holds all of the state from the start
     off = OptimizerStateOffloader(optimizer, masters, chunk_bytes=chunk_mb * MIB, fraction=fraction)
     off.offload(now=True)
@@ -87,10 +94,9 @@ def step_row(optimizer, masters, fraction: float, chunk_mb: int, staging: int, s
 
     def run() -> None:
         streamed_step.run(off, stepper)
-        off.copies.flush()
-        # The compute stream waits on the device for the copies out: the row's end event counts them.
-        for copy in off.copies._flying["offload"]:
-            off.streams.compute_waits(copy.done)
+        # Every copy out starts and the compute stream waits for it on the device, as a forward that needs
+        # the memory would: the row's end event counts them.
+        off.copies.release()
 
     figures = timed(run, steps)
     off.copies.drain()
