@@ -131,10 +131,17 @@ class _StreamedStep:
 
     GROUP_LISTS = ("shard_fp32_from_float16_groups", "model_float16_groups", "shard_fp32_groups", "model_fp32_groups")
 
-    def __init__(self, dist_opt: Any, offloader: OptimizerStateOffloader, on_start: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        dist_opt: Any,
+        offloader: OptimizerStateOffloader,
+        on_start: Callable[[], None],
+        forward_hides: Callable[[], int] = lambda: 0,
+    ) -> None:
         self.dist_opt = dist_opt
         self.offloader = offloader
         self.on_start = on_start
+        self.forward_hides = forward_hides  # OffloadHandle.forward_hides, read at each step
         self.stepper = ChunkStepper(dist_opt.optimizer)
         self.copy_all = dist_opt._copy_main_params_to_model_params
         self.copied = False
@@ -144,7 +151,8 @@ class _StreamedStep:
     def step(self, *args: Any, **kwargs: Any) -> None:
         self.on_start()
         try:
-            streamed_step.run(self.offloader, self.stepper, self.copy_chunk_to_model, self.stage)
+            hides = self.forward_hides()
+            streamed_step.run(self.offloader, self.stepper, self.copy_chunk_to_model, self.stage, forward_hides=hides)
         finally:
             if self.stage is not None:
                 self.stage.end_step()

@@ -168,12 +168,15 @@ class RoomForForward:
             module.register_forward_pre_hook(self.before_forward) for module in sampled(list(modules.values()))
         ]
         self.on_gpu = torch.cuda.is_available()
+        self.clock: Callable[[], Any] | None = recorded_event if self.on_gpu else None  # CUDA events, timed
         self.calls = 0
         self.learning = True  # the first iteration: record the profile
         self.profile: list[int] = []  # highest natural reading up to each hook of the first iteration
         self.peaks: list[int] = []  # the allocator's highest allocation so far at each hook (between hooks too)
         self.top = 0  # the first hook where the profile reached its highest reading
         self.waited = 0  # times a forward had the compute stream wait for copies out (for tests and the log)
+        self.first_forward_ms: float | None = None  # the shortest first forward so far, first hook to last
+        self._marks: list[Any] = []  # this iteration's first forward: events at its first and last hook
 
     @property
     def paces(self) -> bool:
@@ -185,6 +188,10 @@ class RoomForForward:
             return
         self.handle.pump()
         self.calls += 1
+        if self.clock is not None and not self.learning and self.calls in (1, len(self.hooks)):
+            # Read after the step, without waiting: how long the first forward computes, for the step to
+            # leave it the copies out it can hide (OffloadHandle.forward_hides).
+            self._marks.append(self.clock())
         if self.learning:
             pending = self.handle.pending_offload_bytes()
             natural = allocated_bytes() - pending - self.handle.kept_bytes()
@@ -232,10 +239,15 @@ class RoomForForward:
             self.handle.drain_offloads(nbytes)
 
     def new_iteration(self) -> None:
-        """Called after every step: the first forward's profile is complete."""
+        """Called after every step: the first forward's profile is complete; its time is read if its events
+        have completed (never a wait), the shortest kept: a forward that waited for copies out ran longer."""
         if self.learning and self.calls:
             self.learning = False
             self.top = self.profile.index(self.profile[-1]) if self.profile else 0
+        if len(self._marks) == 2 and self._marks[1].query():
+            ms = self._marks[0].elapsed_time(self._marks[1])
+            self.first_forward_ms = ms if self.first_forward_ms is None else min(self.first_forward_ms, ms)
+        self._marks.clear()
         self.calls = 0
 
     def remove(self) -> None:
@@ -251,6 +263,13 @@ def sampled(items: list) -> list:
     SAMPLES (63 forward and 55 gradient hooks instead of 125 and 82 for configs/gpt_0p9b.yaml), the default
     under caps forcing 75% and 90% of its state off the GPU ran out of memory in a backward."""
     return items[:: max(1, len(items) // SAMPLES)]
+
+
+def recorded_event() -> torch.cuda.Event:
+    """A timing event recorded now on the current (compute) stream."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def allocated_bytes(peak: bool = False) -> int:

@@ -13,6 +13,7 @@ from megatron_offload.core.units import GIB
 from megatron_offload.megatron import offload_handle
 from megatron_offload.megatron.kept_decision import LEARNING_STEPS
 from megatron_offload.megatron.optimizer_adapter import OffloadFitError, OffloadHandle
+from megatron_offload.megatron.pacing import RoomForForward
 from megatron_offload.optimizer_state.scheduler import StateScheduler
 
 LIMIT = 10 * GIB
@@ -160,3 +161,18 @@ def test_the_decision_waits_for_the_first_step_that_streams_the_whole_state(
     handle._before_step()
     handle._after_step(stepped=True)
     assert 0 < handle.kept_bytes() == handle.scheduler.kept_total <= state // 3
+
+
+def test_the_step_leaves_the_next_forward_what_the_link_carries_in_half_its_first_forward(offloaders) -> None:
+    handle = OffloadHandle(object(), OffloadConfig())
+    handle.offloaders = offloaders
+    handle._room = room = RoomForForward(handle, [torch.nn.Linear(2, 2)])
+    offloaders[0].stats.bytes_offloaded, offloaders[0].stats.offload_seconds = 30 * GIB, 0.5
+    offloaders[1].stats.bytes_offloaded, offloaders[1].stats.offload_seconds = 10 * GIB, 0.5
+    assert handle.forward_hides() == 0  # no forward timed yet: every copy out starts within the step
+    room.first_forward_ms = 50.0
+    link = 40 * GIB / 1.0  # both offloaders' bytes over their copies' time
+    assert handle.forward_hides() == int(link * 0.050 / 2) // 2  # half the forward, shared by the two
+    for offloader in offloaders:
+        offloader.stats.offload_seconds = 0.0
+    assert handle.forward_hides() == 0  # no copy out timed yet

@@ -179,6 +179,39 @@ def test_a_forward_that_grew_waits_for_just_what_it_needs_then_evicts(room) -> N
     assert ledger.evicted and ledger.kept == 0 and ledger.released[-1] is None and ledger.drained == []
 
 
+class Mark:
+    """Stands in for a timing CUDA event: recorded at the test's clock ``now`` (ms), completed or not."""
+
+    now = 0.0
+
+    def __init__(self) -> None:
+        self.at, self.completed = Mark.now, True
+
+    def query(self) -> bool:
+        return self.completed
+
+    def elapsed_time(self, end: Mark) -> float:
+        return end.at - self.at
+
+
+def test_the_first_forward_is_timed_from_its_first_hook_to_its_last_and_the_shortest_is_kept(room) -> None:
+    hooks, ledger, allocated, model = room
+    marks: list[Mark] = []
+    hooks.clock = lambda: marks.append(Mark()) or marks[-1]
+    learn(hooks, ledger, allocated, model)
+    assert marks == [] and hooks.first_forward_ms is None  # the learning forward waits for every copy: untimed
+    for per_hook, completed in ((10.0, True), (6.0, True), (1.0, False), (8.0, True)):
+        for _micro_batch in range(2):  # a second micro-batch's forward is not the first
+            for layer in model:
+                Mark.now += per_hook
+                layer(torch.zeros(1, 2))
+        marks[-1].completed = completed
+        hooks.new_iteration()
+    # Per iteration one mark at hook 1 and one at hook 4: three hooks' time of the first micro-batch.
+    assert len(marks) == 8
+    assert hooks.first_forward_ms == 3 * 6.0  # the 1 ms one had not completed at its step: not read
+
+
 def test_without_remappable_segments_the_step_end_waits_and_a_hook_drains_for_the_whole_forward(room) -> None:
     hooks, ledger, allocated, model = room
     hooks.pace = False  # some memory in fixed-size segments: a block freed mid-forward leaves a hole
