@@ -147,7 +147,8 @@ class RoomForForward:
     natural peak). The compute stream waits for those copies on the device, never the host, and the other
     copies run beside the forward. If allocated now plus what the rest of the first forward added would
     pass the limit even with every copy out landed (the workload grew), every copy out is given back and
-    kept state goes too: slower, never out of memory where offloading fits.
+    kept state goes too: slower, never out of memory where offloading fits. Each iteration's first forward
+    is also timed, on the device, from its first hook to its last (``first_forward_ms``, the shortest so far).
 
     ``pace`` False (some of the allocator's memory is in fixed-size segments, see
     ``gpu_memory.every_segment_remappable``): memory freed in the middle of the forward would leave holes
