@@ -105,8 +105,11 @@ def attach_offloader(optimizer: Any, config: OffloadConfig | None = None, **over
         model_chunks = list({id(chunk): chunk for dist_opt in dist_opts for chunk in dist_opt.model_chunks}.values())
         if config.prefetch is PrefetchPolicy.AUTO:
             handle._pacer = PrefetchDuringBackward(handle, model_chunks, lambda: _in_last_microbatch(model_chunks))
+        # The first forward timed on training's stream, for the step to leave it what it hides (forward_hides).
+        streams = handle.offloaders[0].streams if handle.offloaders else None
+        clock = (lambda: streams.mark(timed=True)) if handle.on_cuda and streams is not None else None
         # Paced through the forward only where freed memory is usable by any request (expandable segments).
-        handle._room = RoomForForward(handle, model_chunks, pace=every_segment_remappable())
+        handle._room = RoomForForward(handle, model_chunks, pace=every_segment_remappable(), clock=clock)
         setattr(optimizer, _HANDLE_ATTR, handle)
         # Out before the first forward, and landed: the masters exist already, iteration 1's peak counts
         # too, and iteration 1's forward learns its growth with nothing in flight.

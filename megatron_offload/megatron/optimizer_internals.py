@@ -136,7 +136,7 @@ class _StreamedStep:
         dist_opt: Any,
         offloader: OptimizerStateOffloader,
         on_start: Callable[[], None],
-        forward_hides: Callable[[], int] = lambda: 0,
+        forward_hides: Callable[[], int],
     ) -> None:
         self.dist_opt = dist_opt
         self.offloader = offloader

@@ -147,7 +147,7 @@ class RoomForForward:
     natural peak). The compute stream waits for those copies on the device, never the host, and the other
     copies run beside the forward. If allocated now plus what the rest of the first forward added would
     pass the limit even with every copy out landed (the workload grew), every copy out is given back and
-    kept state goes too: slower, never out of memory where offloading fits. Each iteration's first forward
+    kept state goes too: slower, never out of memory where offloading fits. Given a ``clock``, each first forward
     is also timed, on the device, from its first hook to its last (``first_forward_ms``, the shortest so far).
 
     ``pace`` False (some of the allocator's memory is in fixed-size segments, see
@@ -156,9 +156,16 @@ class RoomForForward:
     and a hook waits on the host, for the room up to the forward's top, only should the forecast not hold.
     """
 
-    def __init__(self, handle: Handle, model_chunks: Sequence[torch.nn.Module], pace: bool = True) -> None:
+    def __init__(
+        self,
+        handle: Handle,
+        model_chunks: Sequence[torch.nn.Module],
+        pace: bool = True,
+        clock: Callable[[], Any] | None = None,
+    ) -> None:
         self.handle = handle
         self.pace = pace
+        self.clock = clock  # a timed event on the compute stream (Streams.mark); None: the forward is not timed
         modules = {
             id(module): module
             for chunk in model_chunks
@@ -169,7 +176,6 @@ class RoomForForward:
             module.register_forward_pre_hook(self.before_forward) for module in sampled(list(modules.values()))
         ]
         self.on_gpu = torch.cuda.is_available()
-        self.clock: Callable[[], Any] | None = recorded_event if self.on_gpu else None  # CUDA events, timed
         self.calls = 0
         self.learning = True  # the first iteration: record the profile
         self.profile: list[int] = []  # highest natural reading up to each hook of the first iteration
@@ -264,13 +270,6 @@ def sampled(items: list) -> list:
     SAMPLES (63 forward and 55 gradient hooks instead of 125 and 82 for configs/gpt_0p9b.yaml), the default
     under caps forcing 75% and 90% of its state off the GPU ran out of memory in a backward."""
     return items[:: max(1, len(items) // SAMPLES)]
-
-
-def recorded_event() -> torch.cuda.Event:
-    """A timing event recorded now on the current (compute) stream."""
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
 
 
 def allocated_bytes(peak: bool = False) -> int:
