@@ -138,7 +138,7 @@ def time_hooks(host_ms: dict[str, float]) -> None:
     forward's and the backward's, wrapped before they are registered) into ``host_ms``."""
     import gc
 
-    from megatron_offload.megatron import pacing
+    from megatron_offload.megatron import backward_prefetch, pacing
 
     started = [0.0]
 
@@ -162,7 +162,8 @@ def time_hooks(host_ms: dict[str, float]) -> None:
         return hook
 
     pacing.RoomForForward.before_forward = timed(pacing.RoomForForward.before_forward)
-    pacing.PrefetchDuringBackward.on_grad_ready = timed(pacing.PrefetchDuringBackward.on_grad_ready)
+    prefetch = backward_prefetch.PrefetchDuringBackward
+    prefetch.on_grad_ready = timed(prefetch.on_grad_ready)
 
 
 def options(argv: list[str]) -> tuple[dict[str, Any], list[str]]:

@@ -15,10 +15,11 @@ import torch
 from megatron_offload.config.options import OffloadConfig, PrefetchPolicy
 from megatron_offload.core.gpu_memory import allocator_retries, memory_limit_bytes
 from megatron_offload.core.stats import OffloadStats, totals
+from megatron_offload.megatron.backward_prefetch import PrefetchDuringBackward
 from megatron_offload.megatron.finalize_prefetch import PrefetchOnFinalize, wrap_finalize_functions
 from megatron_offload.megatron.kept_decision import KeptDecision
 from megatron_offload.megatron.optimizer_internals import _HANDLE_ATTR
-from megatron_offload.megatron.pacing import PrefetchDuringBackward, RoomForForward
+from megatron_offload.megatron.pacing import RoomForForward
 from megatron_offload.optimizer_state import streamed_step
 from megatron_offload.optimizer_state.offloader import OptimizerStateOffloader
 from megatron_offload.optimizer_state.scheduler import StateScheduler
@@ -129,6 +130,10 @@ class OffloadHandle:
             return 0
         link = out.bytes_offloaded / out.offload_seconds  # the copies' own spans: at most the link's speed
         return int(link * ms / 1000 / 2) // len(self.offloaders)
+
+    def left_to_forward(self) -> int:
+        """Bytes of copies out all the offloaders' steps leave to the next forward (``forward_hides`` each)."""
+        return self.forward_hides() * len(self.offloaders)
 
     def count_hook_wait(self) -> None:
         self.hook_waits += 1

@@ -19,6 +19,7 @@ from megatron_offload.core.gpu_memory import (
     expandable_segments_from_now,
 )
 from megatron_offload.core.units import MIB
+from megatron_offload.megatron.backward_prefetch import PrefetchDuringBackward
 from megatron_offload.megatron.kept_decision import OffloadFitError
 from megatron_offload.megatron.offload_handle import OffloadHandle
 from megatron_offload.megatron.optimizer_internals import (
@@ -35,7 +36,7 @@ from megatron_offload.megatron.optimizer_internals import (
     _StreamedStep,
     distributed_optimizers,
 )
-from megatron_offload.megatron.pacing import PrefetchDuringBackward, RoomForForward
+from megatron_offload.megatron.pacing import RoomForForward
 from megatron_offload.optimizer_state.offloader import OptimizerStateOffloader
 
 logger = logging.getLogger(__name__)

@@ -1,5 +1,6 @@
 """The training loop's points: hooks where the copies move (``handle.pump()``, never a wait), and
-where memory is paced: when state may come back during backward, when the forward must free memory.
+where memory is paced: here, when the forward must free memory (what may come back during backward:
+backward_prefetch.py).
 
 Installed on about ``SAMPLES`` places per pass (every k-th module or parameter): a few dozen calls per
 forward and backward. They know the handle and its scheduler only, nothing of Megatron.
@@ -12,14 +13,10 @@ from typing import Any, Protocol
 
 import torch
 
-from megatron_offload.core.units import MIB
 from megatron_offload.optimizer_state.scheduler import StateScheduler
 
-__all__ = ["PrefetchDuringBackward", "RoomForForward"]
+__all__ = ["Handle", "RoomForForward", "allocated_bytes", "sampled"]
 
-# Least room kept free under the level backward started from when bringing state back during
-# backward (see PrefetchDuringBackward for the learned margin).
-PACING_MIN_MARGIN_BYTES = 64 * MIB
 SAMPLES = 64  # hooks per backward, and per forward
 READ_EVERY = 4  # a forward with no copies out pending reads memory at every fourth hook
 LOOKAHEAD = 2  # hooks ahead a forward makes room for: what one module allocates and frees between hooks
@@ -41,101 +38,7 @@ class Handle(Protocol):
     def evict(self, nbytes: int) -> int: ...
     def step_footprint(self) -> int: ...
     def count_hook_wait(self) -> None: ...
-
-
-class PrefetchDuringBackward:
-    """Brings state back during the last two micro-batches' backwards (gradient-ready hooks), only
-    chunks whose copy out has landed (no hook waits), as far as the limit allows. In reserved bytes:
-    - from the next-to-last backward, into the room the forward's natural peak leaves under the limit;
-    - in the last backward also into what backward frees, less a learned margin for temporaries no
-      reading sees (twice the most memory freed between two readings: one layer's activations);
-    - bounded at the step, whose own tensors (fp32 grads, Adam's temporaries, staging) come on top of
-      what came back and of all kept state: what the step holds at its start without state is learned too.
-    The first iteration that samples only learns.
-    NOTE: the last backward is counted, not read from DDP's ``is_last_microbatch``: Megatron-LM installs
-    ``no_sync`` only with --overlap-grad-reduce, so without it that flag is always set.
-    """
-
-    def __init__(
-        self, handle: Handle, model_chunks: Sequence[torch.nn.Module], in_last_microbatch: Callable[[], bool]
-    ) -> None:
-        self.handle = handle
-        self.in_last_microbatch = in_last_microbatch
-        self.previous: int | None = None  # the last reading, without what we brought back
-        self.brought = 0  # bytes brought back during this iteration
-        self.largest_drop = 0  # most memory freed between two readings, over all backwards so far
-        self.margin: int | None = None  # None until one backward has been seen
-        self.at_step: int | None = None  # most memory held when a step starts, without optimizer state
-        self.step_started = False
-        self.step_extra = 0  # what the step adds on top (streamed_step.footprint)
-        self.sampled = False  # the last backward was read
-        self.moving = 0  # bytes that leave the GPU between steps (none: nothing comes back, the hooks only pump)
-        self.smallest = 0  # the smallest chunk among them: less room than this brings nothing back
-        self.first_param: int | None = None  # id of the param whose gradient is ready first in a backward
-        self.backwards = 0  # backwards begun in this iteration
-        self.backwards_per_iteration: int | None = None
-        params = list({id(p): p for chunk in model_chunks for p in chunk.parameters() if p.requires_grad}.values())
-        self.hooks = [param.register_post_accumulate_grad_hook(self.on_grad_ready) for param in sampled(params)]
-        self.on_gpu = torch.cuda.is_available()
-
-    def on_grad_ready(self, param: torch.Tensor) -> None:
-        if self.first_param is None:
-            self.first_param = id(param)
-        if id(param) == self.first_param:
-            self.backwards += 1
-        if not self.on_gpu:
-            return
-        self.handle.pump()
-        per_iteration = self.backwards_per_iteration
-        if not self.moving or per_iteration is None or self.backwards < per_iteration - 1:
-            return
-        last = self.backwards == per_iteration and self.in_last_microbatch()
-        allocated = allocated_bytes()
-        if last:
-            self.sampled = True
-            natural = allocated - self.brought
-            if self.previous is not None:
-                self.largest_drop = max(self.largest_drop, self.previous - natural)
-            self.previous = natural
-        if self.margin is None or self.at_step is None:
-            return
-        handle, scheduler = self.handle, self.handle.scheduler
-        room = scheduler.room() - handle.kept_bytes() - handle.pending_offload_bytes() - self.brought
-        if last:
-            room = max(room, scheduler.backward_room(allocated) - self.margin)
-        # At its start the step holds what it holds without state, its own buffers, all kept state (back
-        # already, or newly kept and coming back then) and what came back early.
-        room = min(room, scheduler.backward_room(self.at_step + self.step_extra + handle.kept_bytes()) - self.brought)
-        # A call that could bring nothing back (all of it back already, or room for no chunk) walks every
-        # chunk for naught, in the backward's thread, at every hook.
-        if room >= self.smallest and self.brought < self.moving:
-            self.brought += handle.prefetch(max_bytes=room, landed_only=True)
-
-    def on_step_start(self) -> None:
-        """Called as the inner optimizer step starts (gradients prepared): learn what the step holds."""
-        if self.step_started or not self.on_gpu:
-            return
-        self.step_started = True
-        # Without state: kept state is not there yet in the iteration after the decision, and is later.
-        held = allocated_bytes() - self.handle.gpu_state_bytes()
-        self.at_step = held if self.at_step is None else max(self.at_step, held)
-
-    def new_iteration(self) -> None:
-        """Called after every step: learn from the backward just seen, start afresh."""
-        if self.backwards_per_iteration is None and self.backwards:
-            self.backwards_per_iteration = self.backwards  # the next iteration samples its last backward
-        elif self.sampled:
-            self.margin = max(PACING_MIN_MARGIN_BYTES, 2 * self.largest_drop)
-        self.sampled, self.previous, self.brought, self.backwards = False, None, 0, 0
-        self.step_started = False
-        self.step_extra = self.handle.step_footprint()
-        sizes = self.handle.moving_chunks()
-        self.moving, self.smallest = sum(sizes), max(1, min(sizes, default=0))
-
-    def remove(self) -> None:
-        for hook in self.hooks:
-            hook.remove()
-        self.hooks.clear()
+    def left_to_forward(self) -> int: ...
 
 
 class RoomForForward:

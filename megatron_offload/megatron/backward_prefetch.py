@@ -1,0 +1,141 @@
+"""When state may come back during backward: the gradient-ready hooks of the last two micro-batches.
+
+Installed on about ``pacing.SAMPLES`` params per backward; they know the handle and its scheduler only,
+nothing of Megatron.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from megatron_offload.core.gpu_memory import allocator_retries
+from megatron_offload.core.units import MIB
+from megatron_offload.megatron.pacing import Handle, allocated_bytes, sampled
+
+__all__ = ["PrefetchDuringBackward"]
+
+# Least room kept free under the level backward started from when bringing state back during
+# backward (see PrefetchDuringBackward for the learned margin).
+PACING_MIN_MARGIN_BYTES = 64 * MIB
+# Allocator retries in one last backward that bringing state back there may cause before it stops (see
+# PrefetchDuringBackward): one is cheap, several cost more than the step's copies in beside its copies out.
+RETRIES_TOLERATED = 1
+
+
+class PrefetchDuringBackward:
+    """Brings state back during the last two micro-batches' backwards (gradient-ready hooks), only
+    chunks whose copy out has landed (no hook waits), as far as the limit allows. In reserved bytes:
+    - from the next-to-last backward, into the room the forward's natural peak leaves under the limit;
+    - in the last backward also into what backward frees, less a learned margin for temporaries no
+      reading sees (twice the most memory freed between two readings: one layer's activations);
+    - bounded at the step, whose own tensors (fp32 grads, Adam's temporaries, staging) come on top of
+      what came back and of all kept state: what the step holds at its start without state is learned too.
+    The first iteration that samples only learns.
+
+    What does not come back early streams in the step, its copies in beside its copies out (the link carries
+    both directions at once), so only the copies in beyond the step's copies out lengthen it: the bytes the
+    step leaves to the next forward (``handle.left_to_forward()``). Bringing more back early is worth it only
+    while it is free. Near the limit it is not: memory freed by backward is cached in blocks our chunks may
+    not fit, so the caching allocator runs out of room and retries, and each retry synchronizes the device
+    and unmaps its cache in the middle of the backward. Once a last backward that brought state back sees
+    more than ``RETRIES_TOLERATED`` retries, later ones bring back at most what the step leaves to the forward
+    (``early_limit``; only ever lowered).
+    NOTE: the last backward is counted, not read from DDP's ``is_last_microbatch``: Megatron-LM installs
+    ``no_sync`` only with --overlap-grad-reduce, so without it that flag is always set.
+    """
+
+    def __init__(
+        self, handle: Handle, model_chunks: Sequence[torch.nn.Module], in_last_microbatch: Callable[[], bool]
+    ) -> None:
+        self.handle = handle
+        self.in_last_microbatch = in_last_microbatch
+        self.previous: int | None = None  # the last reading, without what we brought back
+        self.brought = 0  # bytes brought back during this iteration
+        self.largest_drop = 0  # most memory freed between two readings, over all backwards so far
+        self.margin: int | None = None  # None until one backward has been seen
+        self.at_step: int | None = None  # most memory held when a step starts, without optimizer state
+        self.step_started = False
+        self.step_extra = 0  # what the step adds on top (streamed_step.footprint)
+        self.sampled = False  # the last backward was read
+        self.moving = 0  # bytes that leave the GPU between steps (none: nothing comes back, the hooks only pump)
+        self.smallest = 0  # the smallest chunk among them: less room than this brings nothing back
+        self.early_limit: int | None = None  # most bytes back during backward, once retries were seen; None: none
+        self.retries_before: int | None = None  # the allocator's retries as this last backward was first read
+        self.first_param: int | None = None  # id of the param whose gradient is ready first in a backward
+        self.backwards = 0  # backwards begun in this iteration
+        self.backwards_per_iteration: int | None = None
+        params = list({id(p): p for chunk in model_chunks for p in chunk.parameters() if p.requires_grad}.values())
+        self.hooks = [param.register_post_accumulate_grad_hook(self.on_grad_ready) for param in sampled(params)]
+        self.on_gpu = torch.cuda.is_available()
+
+    def on_grad_ready(self, param: torch.Tensor) -> None:
+        if self.first_param is None:
+            self.first_param = id(param)
+        if id(param) == self.first_param:
+            self.backwards += 1
+        if not self.on_gpu:
+            return
+        self.handle.pump()
+        per_iteration = self.backwards_per_iteration
+        if not self.moving or per_iteration is None or self.backwards < per_iteration - 1:
+            return
+        last = self.backwards == per_iteration and self.in_last_microbatch()
+        allocated = allocated_bytes()
+        if last:
+            if not self.sampled:
+                self.retries_before = allocator_retries()
+            self.sampled = True
+            natural = allocated - self.brought
+            if self.previous is not None:
+                self.largest_drop = max(self.largest_drop, self.previous - natural)
+            self.previous = natural
+        if self.margin is None or self.at_step is None:
+            return
+        if self.early_limit is not None and self.brought >= self.early_limit:
+            return
+        handle, scheduler = self.handle, self.handle.scheduler
+        room = scheduler.room() - handle.kept_bytes() - handle.pending_offload_bytes() - self.brought
+        if last:
+            room = max(room, scheduler.backward_room(allocated) - self.margin)
+        # At its start the step holds what it holds without state, its own buffers, all kept state (back
+        # already, or newly kept and coming back then) and what came back early.
+        room = min(room, scheduler.backward_room(self.at_step + self.step_extra + handle.kept_bytes()) - self.brought)
+        if self.early_limit is not None:
+            room = min(room, self.early_limit - self.brought)
+        # A call that could bring nothing back (all of it back already, or room for no chunk) walks every
+        # chunk for naught, in the backward's thread, at every hook.
+        if room >= self.smallest and self.brought < self.moving:
+            self.brought += handle.prefetch(max_bytes=room, landed_only=True)
+
+    def on_step_start(self) -> None:
+        """Called as the inner optimizer step starts (gradients prepared): learn what the step holds, and
+        whether bringing state back during the last backward made the allocator retry."""
+        if self.step_started or not self.on_gpu:
+            return
+        self.step_started = True
+        # Without state: kept state is not there yet in the iteration after the decision, and is later.
+        held = allocated_bytes() - self.handle.gpu_state_bytes()
+        self.at_step = held if self.at_step is None else max(self.at_step, held)
+        retried = allocator_retries() - self.retries_before if self.retries_before is not None else 0
+        if self.brought and retried > RETRIES_TOLERATED:
+            left = self.handle.left_to_forward()
+            self.early_limit = left if self.early_limit is None else min(self.early_limit, left)
+
+    def new_iteration(self) -> None:
+        """Called after every step: learn from the backward just seen, start afresh."""
+        if self.backwards_per_iteration is None and self.backwards:
+            self.backwards_per_iteration = self.backwards  # the next iteration samples its last backward
+        elif self.sampled:
+            self.margin = max(PACING_MIN_MARGIN_BYTES, 2 * self.largest_drop)
+        self.sampled, self.previous, self.brought, self.backwards = False, None, 0, 0
+        self.step_started, self.retries_before = False, None
+        self.step_extra = self.handle.step_footprint()
+        sizes = self.handle.moving_chunks()
+        self.moving, self.smallest = sum(sizes), max(1, min(sizes, default=0))
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks.clear()

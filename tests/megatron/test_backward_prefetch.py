@@ -1,0 +1,167 @@
+"""The backward's hooks without a GPU: allocator readings and the memory limit are the test's, the
+handle a ledger of what the hooks ask for. What it proves: what the last backward brings back leaves the
+step room for all kept state; a hook asks for nothing it could not bring back; once bringing state back
+made the allocator retry in a last backward, later ones bring back at most what the step leaves to the
+forward, and a retry that state coming back did not cause changes nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_offload.core.units import GIB
+from megatron_offload.megatron import backward_prefetch
+from megatron_offload.optimizer_state.scheduler import Peaks
+from tests.megatron.test_pacing import Ledger
+
+
+@pytest.fixture(autouse=True)
+def no_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The allocator never retried (no GPU here); a test that needs retries reads its own counter."""
+    monkeypatch.setattr(backward_prefetch, "allocator_retries", lambda: 0)
+
+
+class BackwardLedger(Ledger):
+    """The handle as the backward's hooks see it: what they bring back, the step's own buffers, and the
+    optimizer state holding GPU memory."""
+
+    def __init__(self, limit: int, step_extra: int) -> None:
+        super().__init__(limit)
+        self.step_extra, self.resident, self.asked = step_extra, 0, []
+
+    def step_footprint(self) -> int:
+        return self.step_extra
+
+    def gpu_state_bytes(self) -> int:
+        return self.resident
+
+    def prefetch(self, max_bytes: int | None = None, landed_only: bool = False) -> int:
+        self.asked.append(max_bytes)
+        return 0  # nothing had landed: the test reads what the hooks asked for
+
+
+def test_the_last_backward_leaves_room_at_the_step_for_all_kept_state(monkeypatch) -> None:
+    """What the last backward brings back early must leave room at the step for all kept state, or the
+    step runs out of memory: in the iteration after the decision the kept state is still in host memory and
+    comes back at the step's start, on top of what the step held before any was kept; from then on it
+    stays, and what the step holds at its start is learned without it."""
+    allocated = {"bytes": 0}
+    monkeypatch.setattr(backward_prefetch, "allocated_bytes", lambda: allocated["bytes"])
+    ledger = BackwardLedger(10 * GIB, step_extra=GIB // 2)
+    ledger.scheduler.start_step()
+    ledger.scheduler.observe_step_end(Peaks(4 * GIB, 4 * GIB), resident=0)  # the peak without state
+    param = torch.nn.Parameter(torch.zeros(2))
+    hooks = backward_prefetch.PrefetchDuringBackward(ledger, [torch.nn.Linear(2, 2)], lambda: True)
+    hooks.on_gpu = True
+    natural_at_step, kept = 2 * GIB, 3 * GIB
+
+    def iteration(decide: int = 0) -> None:
+        allocated["bytes"] = GIB + ledger.resident
+        hooks.on_grad_ready(param)  # one backward per iteration: each is the last
+        allocated["bytes"] = natural_at_step + ledger.resident
+        hooks.on_step_start()
+        ledger.resident = ledger.kept  # the step brought the kept state back; it stays
+        ledger.kept = ledger.kept or decide  # the decision, as the step ends: in host memory still
+        hooks.new_iteration()
+
+    iteration()  # learns the backwards per iteration
+    iteration(decide=kept)  # learns the margin and what the step holds; the decision keeps 3 GiB
+    assert ledger.asked == []  # only learning so far
+    room = ledger.scheduler.backward_room(natural_at_step + ledger.step_extra + kept)
+    iteration()  # the kept state comes back at this step's start
+    iteration()  # and is there all through this one
+    assert ledger.resident == kept and ledger.asked == [room, room]
+    assert natural_at_step + ledger.step_extra + kept + room <= 10 * GIB - ledger.scheduler.margin()
+
+
+@pytest.mark.parametrize("chunk_sizes", [[20 * GIB], [GIB // 4] * 2])
+def test_a_backward_hook_asks_for_nothing_it_could_not_bring_back(monkeypatch, chunk_sizes) -> None:
+    """Room for no chunk, or everything that left brought back already: the hook does not walk the chunks
+    (it runs at every sampled gradient, in the backward's thread)."""
+    allocated = {"bytes": GIB}
+    monkeypatch.setattr(backward_prefetch, "allocated_bytes", lambda: allocated["bytes"])
+    ledger = BackwardLedger(10 * GIB, step_extra=0)
+    ledger.moving_chunks = lambda: chunk_sizes
+    brought: list[int] = []
+
+    def prefetch(max_bytes: int | None = None, landed_only: bool = False) -> int:
+        ledger.asked.append(max_bytes)
+        brought.append(min(max_bytes, sum(chunk_sizes) - sum(brought)))
+        return brought[-1]
+
+    ledger.prefetch = prefetch
+    ledger.scheduler.start_step()
+    ledger.scheduler.observe_step_end(Peaks(4 * GIB, 4 * GIB), resident=0)
+    param = torch.nn.Parameter(torch.zeros(2))
+    hooks = backward_prefetch.PrefetchDuringBackward(ledger, [torch.nn.Linear(2, 2)], lambda: True)
+    hooks.on_gpu = True
+    for _ in range(3):  # learn the backwards per iteration, then the margin and the step
+        hooks.on_grad_ready(param)
+        hooks.on_step_start()
+        hooks.new_iteration()
+    ledger.asked.clear()
+    brought.clear()
+    for _ in range(4):  # four sampled gradients in one last backward
+        hooks.on_grad_ready(param)
+    if chunk_sizes[0] > 10 * GIB:
+        assert ledger.asked == []  # no chunk fits in any room under a 10 GiB limit
+    else:
+        assert len(ledger.asked) == 1 and sum(brought) == sum(chunk_sizes)  # then nothing is left to ask for
+
+
+class Retrying(BackwardLedger):
+    """Brings back whatever is asked, a chunk at a time, out of 8 GiB moving; the step leaves 1 GiB to the forward."""
+
+    def __init__(self) -> None:
+        super().__init__(20 * GIB, step_extra=0)
+        self.left = GIB
+
+    def moving_chunks(self) -> list[int]:
+        return [GIB // 2] * 16
+
+    def prefetch(self, max_bytes: int | None = None, landed_only: bool = False) -> int:
+        self.asked.append(max_bytes)
+        return min(max_bytes // (GIB // 2) * (GIB // 2), 8 * GIB)  # one call a backward here
+
+    def left_to_forward(self) -> int:
+        return self.left
+
+
+@pytest.mark.parametrize(
+    ("retries", "brings_back", "limited"),
+    [(2, True, True), (1, True, False), (5, False, False)],
+    ids=["retried", "one-retry-tolerated", "retried-with-nothing-brought"],
+)
+def test_retries_while_state_comes_back_limit_later_backwards_to_what_the_step_leaves_the_forward(
+    monkeypatch, retries: int, brings_back: bool, limited: bool
+) -> None:
+    """More than one allocator retry in a last backward that brought state back: from then on the last
+    backward brings back at most the bytes the step leaves to the next forward (the rest comes in the step,
+    beside its copies out); only ever lowered. One retry, or retries with nothing brought back, change nothing."""
+    readings = {"allocated": 2 * GIB, "retries": 0}
+    monkeypatch.setattr(backward_prefetch, "allocated_bytes", lambda: readings["allocated"])
+    monkeypatch.setattr(backward_prefetch, "allocator_retries", lambda: readings["retries"])
+    ledger = Retrying()
+    ledger.scheduler.start_step()
+    ledger.scheduler.observe_step_end(Peaks(4 * GIB, 4 * GIB), resident=0)
+    if not brings_back:
+        ledger.prefetch = lambda max_bytes=None, landed_only=False: ledger.asked.append(max_bytes) or 0
+    param = torch.nn.Parameter(torch.zeros(2))
+    hooks = backward_prefetch.PrefetchDuringBackward(ledger, [torch.nn.Linear(2, 2)], lambda: True)
+    hooks.on_gpu = True
+
+    def iteration(retried: int = 0) -> int:
+        hooks.on_grad_ready(param)  # one backward per iteration, each the last
+        readings["retries"] += retried  # the allocator retried during it
+        hooks.on_step_start()
+        brought = hooks.brought
+        hooks.new_iteration()
+        return brought
+
+    iteration()
+    iteration()  # learns the backwards per iteration, the margin and the step
+    assert iteration(retried=retries) == (8 * GIB if brings_back else 0)  # room for all of it
+    ledger.left = 3 * GIB  # a larger share for the forward later does not raise the limit again
+    expected = GIB if limited else 8 * GIB
+    assert [iteration() for _ in range(2)] == [expected if brings_back else 0] * 2
+    assert hooks.early_limit == (GIB if limited else None)
