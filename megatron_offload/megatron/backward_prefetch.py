@@ -41,7 +41,8 @@ class PrefetchDuringBackward:
     not fit, so the caching allocator runs out of room and retries, and each retry synchronizes the device
     and unmaps its cache in the middle of the backward. Once a last backward that brought state back sees
     more than ``RETRIES_TOLERATED`` retries, later ones bring back at most what the step leaves to the forward
-    (``early_limit``; only ever lowered).
+    (``limited``; the bytes are read at each iteration's start, 0 until the first forward and the copies out
+    were timed).
     NOTE: the last backward is counted, not read from DDP's ``is_last_microbatch``: Megatron-LM installs
     ``no_sync`` only with --overlap-grad-reduce, so without it that flag is always set.
     """
@@ -61,7 +62,8 @@ class PrefetchDuringBackward:
         self.sampled = False  # the last backward was read
         self.moving = 0  # bytes that leave the GPU between steps (none: nothing comes back, the hooks only pump)
         self.smallest = 0  # the smallest chunk among them: less room than this brings nothing back
-        self.early_limit: int | None = None  # most bytes back during backward, once retries were seen; None: none
+        self.limited = False  # retries were seen: bring back at most what the step leaves to the forward
+        self.early_limit: int | None = None  # so most bytes back during this iteration's backwards; None: no bound
         self.retries_before: int | None = None  # the allocator's retries as this last backward was first read
         self.first_param: int | None = None  # id of the param whose gradient is ready first in a backward
         self.backwards = 0  # backwards begun in this iteration
@@ -119,9 +121,7 @@ class PrefetchDuringBackward:
         held = allocated_bytes() - self.handle.gpu_state_bytes()
         self.at_step = held if self.at_step is None else max(self.at_step, held)
         retried = allocator_retries() - self.retries_before if self.retries_before is not None else 0
-        if self.brought and retried > RETRIES_TOLERATED:
-            left = self.handle.left_to_forward()
-            self.early_limit = left if self.early_limit is None else min(self.early_limit, left)
+        self.limited = self.limited or bool(self.brought and retried > RETRIES_TOLERATED)
 
     def new_iteration(self) -> None:
         """Called after every step: learn from the backward just seen, start afresh."""
@@ -132,6 +132,7 @@ class PrefetchDuringBackward:
         self.sampled, self.previous, self.brought, self.backwards = False, None, 0, 0
         self.step_started, self.retries_before = False, None
         self.step_extra = self.handle.step_footprint()
+        self.early_limit = self.handle.left_to_forward() if self.limited else None
         sizes = self.handle.moving_chunks()
         self.moving, self.smallest = sum(sizes), max(1, min(sizes, default=0))
 

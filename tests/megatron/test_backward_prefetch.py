@@ -137,7 +137,8 @@ def test_retries_while_state_comes_back_limit_later_backwards_to_what_the_step_l
 ) -> None:
     """More than one allocator retry in a last backward that brought state back: from then on the last
     backward brings back at most the bytes the step leaves to the next forward (the rest comes in the step,
-    beside its copies out); only ever lowered. One retry, or retries with nothing brought back, change nothing."""
+    beside its copies out), as they are at each iteration. One retry, or retries with nothing brought back,
+    change nothing."""
     readings = {"allocated": 2 * GIB, "retries": 0}
     monkeypatch.setattr(backward_prefetch, "allocated_bytes", lambda: readings["allocated"])
     monkeypatch.setattr(backward_prefetch, "allocator_retries", lambda: readings["retries"])
@@ -161,7 +162,9 @@ def test_retries_while_state_comes_back_limit_later_backwards_to_what_the_step_l
     iteration()
     iteration()  # learns the backwards per iteration, the margin and the step
     assert iteration(retried=retries) == (8 * GIB if brings_back else 0)  # room for all of it
-    ledger.left = 3 * GIB  # a larger share for the forward later does not raise the limit again
     expected = GIB if limited else 8 * GIB
     assert [iteration() for _ in range(2)] == [expected if brings_back else 0] * 2
-    assert hooks.early_limit == (GIB if limited else None)
+    ledger.left = 3 * GIB  # what the step leaves to the forward, as timed again: read at each iteration
+    iteration()
+    assert iteration() == ((3 * GIB if limited else 8 * GIB) if brings_back else 0)
+    assert hooks.limited is limited
