@@ -19,9 +19,11 @@ __all__ = ["PrefetchDuringBackward"]
 # Least room kept free under the level backward started from when bringing state back during
 # backward (see PrefetchDuringBackward for the learned margin).
 PACING_MIN_MARGIN_BYTES = 64 * MIB
-# Allocator retries in one last backward that bringing state back there may cause before it stops (see
-# PrefetchDuringBackward): one is cheap, several cost more than the step's copies in beside its copies out.
+# Allocator retries in one last backward that bringing state back there may cause (see PrefetchDuringBackward):
+# one is cheap; several per backward, as under a cap that forces 90% of the state off, cost more than the
+# step's copies in beside its copies out. RETRYING_BACKWARDS in a row stop it: a single spike does not.
 RETRIES_TOLERATED = 1
+RETRYING_BACKWARDS = 2
 
 
 class PrefetchDuringBackward:
@@ -39,8 +41,9 @@ class PrefetchDuringBackward:
     step leaves to the next forward (``handle.left_to_forward()``). Bringing more back early is worth it only
     while it is free. Near the limit it is not: memory freed by backward is cached in blocks our chunks may
     not fit, so the caching allocator runs out of room and retries, and each retry synchronizes the device
-    and unmaps its cache in the middle of the backward. Once a last backward that brought state back sees
-    more than ``RETRIES_TOLERATED`` retries, later ones bring back at most what the step leaves to the forward
+    and unmaps its cache in the middle of the backward. Once ``RETRYING_BACKWARDS`` last backwards in a row
+    brought state back and saw more than ``RETRIES_TOLERATED`` retries each, later ones bring back at most
+    what the step leaves to the forward
     (``limited``; the bytes are read at each iteration's start, 0 until the first forward and the copies out
     were timed).
     NOTE: the last backward is counted, not read from DDP's ``is_last_microbatch``: Megatron-LM installs
@@ -65,6 +68,7 @@ class PrefetchDuringBackward:
         self.limited = False  # retries were seen: bring back at most what the step leaves to the forward
         self.early_limit: int | None = None  # so most bytes back during this iteration's backwards; None: no bound
         self.retries_before: int | None = None  # the allocator's retries as this last backward was first read
+        self.retrying = 0  # last backwards in a row that brought state back and made the allocator retry
         self.first_param: int | None = None  # id of the param whose gradient is ready first in a backward
         self.backwards = 0  # backwards begun in this iteration
         self.backwards_per_iteration: int | None = None
@@ -120,8 +124,10 @@ class PrefetchDuringBackward:
         # Without state: kept state is not there yet in the iteration after the decision, and is later.
         held = allocated_bytes() - self.handle.gpu_state_bytes()
         self.at_step = held if self.at_step is None else max(self.at_step, held)
-        retried = allocator_retries() - self.retries_before if self.retries_before is not None else 0
-        self.limited = self.limited or bool(self.brought and retried > RETRIES_TOLERATED)
+        if self.retries_before is not None:  # the last backward was read
+            retried = self.brought and allocator_retries() - self.retries_before > RETRIES_TOLERATED
+            self.retrying = self.retrying + 1 if retried else 0
+            self.limited = self.limited or self.retrying >= RETRYING_BACKWARDS
 
     def new_iteration(self) -> None:
         """Called after every step: learn from the backward just seen, start afresh."""

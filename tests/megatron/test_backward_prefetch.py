@@ -129,16 +129,16 @@ class Retrying(BackwardLedger):
 
 @pytest.mark.parametrize(
     ("retries", "brings_back", "limited"),
-    [(2, True, True), (1, True, False), (5, False, False)],
-    ids=["retried", "one-retry-tolerated", "retried-with-nothing-brought"],
+    [([2, 2], True, True), ([1, 1], True, False), ([2, 0, 2], True, False), ([5, 5], False, False)],
+    ids=["retried-twice-in-a-row", "one-retry-tolerated", "spikes-apart", "retried-with-nothing-brought"],
 )
 def test_retries_while_state_comes_back_limit_later_backwards_to_what_the_step_leaves_the_forward(
-    monkeypatch, retries: int, brings_back: bool, limited: bool
+    monkeypatch, retries: list[int], brings_back: bool, limited: bool
 ) -> None:
-    """More than one allocator retry in a last backward that brought state back: from then on the last
-    backward brings back at most the bytes the step leaves to the next forward (the rest comes in the step,
-    beside its copies out), as they are at each iteration. One retry, or retries with nothing brought back,
-    change nothing."""
+    """More than one allocator retry in each of two last backwards in a row that brought state back: from
+    then on the last backward brings back at most the bytes the step leaves to the next forward (the rest
+    comes in the step, beside its copies out), as they are at each iteration. One retry a backward, spikes
+    apart, or retries with nothing brought back change nothing."""
     readings = {"allocated": 2 * GIB, "retries": 0}
     monkeypatch.setattr(backward_prefetch, "allocated_bytes", lambda: readings["allocated"])
     monkeypatch.setattr(backward_prefetch, "allocator_retries", lambda: readings["retries"])
@@ -161,10 +161,11 @@ def test_retries_while_state_comes_back_limit_later_backwards_to_what_the_step_l
 
     iteration()
     iteration()  # learns the backwards per iteration, the margin and the step
-    assert iteration(retried=retries) == (8 * GIB if brings_back else 0)  # room for all of it
-    expected = GIB if limited else 8 * GIB
-    assert [iteration() for _ in range(2)] == [expected if brings_back else 0] * 2
+    everything = 8 * GIB if brings_back else 0
+    assert [iteration(retried=count) for count in retries] == [everything] * len(retries)  # room for all of it
+    expected = GIB if limited else everything
+    assert [iteration() for _ in range(2)] == [expected] * 2
     ledger.left = 3 * GIB  # what the step leaves to the forward, as timed again: read at each iteration
     iteration()
-    assert iteration() == ((3 * GIB if limited else 8 * GIB) if brings_back else 0)
+    assert iteration() == (3 * GIB if limited else everything)
     assert hooks.limited is limited
