@@ -43,9 +43,8 @@ class PrefetchDuringBackward:
     not fit, so the caching allocator runs out of room and retries, and each retry synchronizes the device
     and unmaps its cache in the middle of the backward. Once ``RETRYING_BACKWARDS`` last backwards in a row
     brought state back and saw more than ``RETRIES_TOLERATED`` retries each, later ones bring back at most
-    what the step leaves to the forward
-    (``limited``; the bytes are read at each iteration's start, 0 until the first forward and the copies out
-    were timed).
+    what the step leaves to the forward (``limited``; those bytes are read at each iteration's start, 0 until
+    the first forward and the copies out were timed).
     NOTE: the last backward is counted, not read from DDP's ``is_last_microbatch``: Megatron-LM installs
     ``no_sync`` only with --overlap-grad-reduce, so without it that flag is always set.
     """
@@ -125,7 +124,7 @@ class PrefetchDuringBackward:
         held = allocated_bytes() - self.handle.gpu_state_bytes()
         self.at_step = held if self.at_step is None else max(self.at_step, held)
         if self.retries_before is not None:  # the last backward was read
-            retried = self.brought and allocator_retries() - self.retries_before > RETRIES_TOLERATED
+            retried = self.brought > 0 and allocator_retries() - self.retries_before > RETRIES_TOLERATED
             self.retrying = self.retrying + 1 if retried else 0
             self.limited = self.limited or self.retrying >= RETRYING_BACKWARDS
 
