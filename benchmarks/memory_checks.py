@@ -12,7 +12,8 @@ brings them during the last micro-batch's backward (hidden behind it, into memor
 brings them only into the step, hidden behind nothing. With a micro-batch's forward a third of its share of
 no offload's iteration and its backward two thirds: floor = no offload's step time + max(0, X / out link -
 forward) + max(0, X / in link - hidden return). A row passes when its median step time is at most its floor
-times (1 + max_time_over_floor).
+times (1 + max_time_over_floor). The check's detail gives the row's and no offload's quartiles too: single
+iterations of a host-bound loop spread, and a verdict near its threshold may be the machine's.
 """
 
 from __future__ import annotations
@@ -175,6 +176,9 @@ def evaluate(
         detail = (f"floor {floor['floor_ms']:.1f} ms: no offload {base.median_step_ms:.1f} ms + "
                   f"{floor['crossed_gib']:.2f} GiB {links or 'none moved'}, less forward {floor['forward_ms']:.1f} ms "
                   f"and return hidden {floor['return_hidden_ms']:.1f} ms")  # fmt: skip
+        spreads = [summary.quartile_step_ms for summary in (summaries[row], base)]
+        if all(spreads):  # single iterations spread: a verdict near its threshold may be the machine's
+            detail += "; quartiles {:.0f}-{:.0f} ms, no offload's {:.0f}-{:.0f}".format(*spreads[0], *spreads[1])
         checks.append(Check(name, f"<= {limit:.1f} ms", f"{ms:.1f} ms", ms <= limit, detail))
 
     if limits.losses_equal:

@@ -16,8 +16,8 @@ def _run_rows(report: dict[str, Any]) -> list[str]:
     runs, floors = report["runs"], report["measured"].get("floors", {})
     base_ms = runs["baseline"]["summary"]["median_step_ms"]
     lines = [
-        "| run | flags | status | median step ms | x no offload | floor ms | threshold ms | peak allocated GiB "
-        "| peak reserved GiB | offloaded GiB/rank | link out/back GB/s | final loss |",
+        "| run | flags | status | median step ms (quartiles) | x no offload | floor ms | threshold ms "
+        "| peak allocated GiB | peak reserved GiB | offloaded GiB/rank | link out/back GB/s | final loss |",
         "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, run in runs.items():
@@ -27,8 +27,10 @@ def _run_rows(report: dict[str, Any]) -> list[str]:
         links = [floor.get("link_out_gbps"), floor.get("link_in_gbps")]
         link = "—" if None in links else f"{links[0]:.1f}/{links[1]:.1f}"
         flags = " ".join(run.get("flags", [])) or "—"
+        spread = s.get("quartile_step_ms")
+        median = _cell(s["median_step_ms"], ".1f") + (f" ({spread[0]:.0f}-{spread[1]:.0f})" if spread else "")
         lines.append(
-            f"| {name} | `{flags}` | {status} | {_cell(s['median_step_ms'], '.1f')} | {_cell(ratio, '.3f')} | "
+            f"| {name} | `{flags}` | {status} | {median} | {_cell(ratio, '.3f')} | "
             f"{_cell(floor.get('floor_ms'), '.1f')} | {_cell(floor.get('threshold_ms'), '.1f')} | "
             f"{_cell(s['peak_gib'], '.2f')} | {_cell(s['max_reserved_gib'], '.2f')} | "
             f"{_cell(s['offloaded_gib'], '.2f')} | {link} | "

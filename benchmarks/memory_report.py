@@ -161,6 +161,14 @@ def _median(values: list[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
+def _quartiles(values: list[float]) -> tuple[float, float] | None:
+    """First and third quartiles: how far single iterations spread around the median the checks judge."""
+    if len(values) < 2:
+        return None
+    first, _, third = statistics.quantiles(values, n=4)
+    return first, third
+
+
 @dataclass
 class RunSummary:
     """The figures of one run that the table, the plots and the checks use."""
@@ -169,6 +177,7 @@ class RunSummary:
     detail: str = ""
     iterations: int = 0
     median_step_ms: float | None = None
+    quartile_step_ms: tuple[float, float] | None = None  # the steady iterations' first and third quartiles
     allocated_gib: float | None = None  # median "allocated" between steps, after the warm-up
     peak_gib: float | None = None  # "max allocated" at the last iteration
     max_reserved_gib: float | None = None  # "max reserved" at the last iteration
@@ -197,6 +206,7 @@ def summarize(log: RunLog) -> RunSummary:
         "ok",
         iterations=len(log.steps),
         median_step_ms=_median([s.step_ms for s in steps]),
+        quartile_step_ms=_quartiles([s.step_ms for s in steps]),
         offloaded_gib=log.steps[last].offloaded_gib,
         exposed_ms=_median([s.exposed_ms for s in steps]),
         copy_out_ms=_median([s.copy_out_ms for s in steps]),
