@@ -161,11 +161,12 @@ def _median(values: list[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
-def _quartiles(values: list[float]) -> tuple[float, float] | None:
+def _quartiles(values: list[float | None]) -> tuple[float, float] | None:
     """First and third quartiles: how far single iterations spread around the median the checks judge."""
-    if len(values) < 2:
+    present = [value for value in values if value is not None]
+    if len(present) < 2:
         return None
-    first, _, third = statistics.quantiles(values, n=4)
+    first, _, third = statistics.quantiles(present, n=4)
     return first, third
 
 
