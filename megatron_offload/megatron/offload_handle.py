@@ -118,22 +118,22 @@ class OffloadHandle:
     def step_footprint(self) -> int:
         return max((streamed_step.footprint(offloader) for offloader in self.offloaders), default=0)
 
-    def forward_hides(self) -> int:
-        """Bytes of an offloader's early chunks' copies out its step leaves queued for the next forward's
-        hooks (ShareOut's ``left``): what the link carries in half the first forward (its activations grow
-        from its start, so the copies have about half of it). Started within the step instead, they hold
-        the host at megatron-core's first ``.item()`` after it: one copy engine serves the device-to-host
-        copies in order, a 4-byte read behind gigabytes. 0 until a forward and the copies out were timed."""
+    def left_to_forward(self) -> int:
+        """Bytes of the early chunks' copies out the steps leave queued for the next forward's hooks, all
+        offloaders together: what the link carries in half the first forward (its activations grow from its
+        start, so the copies have about half of it). Started within the step instead, they hold the host at
+        megatron-core's first ``.item()`` after it: one copy engine serves the device-to-host copies in
+        order, a 4-byte read behind gigabytes. 0 until a forward and the copies out were timed."""
         ms = self._room.first_forward_ms if self._room is not None else None
         out = totals(offloader.stats for offloader in self.offloaders)
-        if not ms or out.offload_seconds <= 0 or not self.offloaders:
+        if not ms or out.offload_seconds <= 0:
             return 0
         link = out.bytes_offloaded / out.offload_seconds  # the copies' own spans: at most the link's speed
-        return int(link * ms / 1000 / 2) // len(self.offloaders)
+        return int(link * ms / 1000 / 2)
 
-    def left_to_forward(self) -> int:
-        """Bytes of copies out all the offloaders' steps leave to the next forward (``forward_hides`` each)."""
-        return self.forward_hides() * len(self.offloaders)
+    def forward_hides(self) -> int:
+        """Each offloader's share of ``left_to_forward()`` (ShareOut's ``left`` in its step)."""
+        return self.left_to_forward() // max(1, len(self.offloaders))
 
     def count_hook_wait(self) -> None:
         self.hook_waits += 1
