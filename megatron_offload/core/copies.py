@@ -105,11 +105,12 @@ class CopyQueue:
             while flying and self._query(flying[0], flying[0].done):
                 self._retire(flying.popleft())
 
-    def flush(self) -> None:
-        """Start every queued copy now; each stream waits on the device for dependencies already queued."""
-        for direction in (OFFLOAD, PREFETCH):
-            while self._queued[direction]:
-                self._start(self._queued[direction].popleft(), device_wait=True)
+    def flush(self, direction: str | None = None) -> None:
+        """Start every queued copy (in ``direction``, default both) now; each stream waits on the device for
+        dependencies already queued."""
+        for way in (OFFLOAD, PREFETCH) if direction is None else (direction,):
+            while self._queued[way]:
+                self._start(self._queued[way].popleft(), device_wait=True)
 
     def start(self, copy: Copy) -> None:
         """Start a queued copy now, its stream waiting on the device for a dependency already queued."""

@@ -36,9 +36,10 @@ class PrefetchDuringBackward:
       what came back and of all kept state: what the step holds at its start without state is learned too.
     The first iteration that samples only learns.
 
-    What does not come back early streams in the step, its copies in beside its copies out (the link carries
-    both directions at once), so only the copies in beyond the step's copies out lengthen it: the bytes the
-    step leaves to the next forward (``handle.left_to_forward()``). Bringing more back early is worth it only
+    What does not come back early starts back as the step begins (``finalize_prefetch.bring_back_for_step``)
+    or streams in the step, its copies in beside the step's copies out (the link carries both directions at
+    once), so only the copies in beyond the step's copies out lengthen it: the bytes the step leaves to the
+    next forward (``handle.left_to_forward()``). Bringing more back early is worth it only
     while it is free. Near the limit it is not: memory freed by backward is cached in blocks our chunks may
     not fit, so the caching allocator runs out of room and retries, and each retry synchronizes the device
     and unmaps its cache in the middle of the backward. Once ``RETRYING_BACKWARDS`` last backwards in a row
@@ -114,19 +115,24 @@ class PrefetchDuringBackward:
         if room >= self.smallest and self.brought < self.moving:
             self.brought += handle.prefetch(max_bytes=room, landed_only=True)
 
+    def on_backward_done(self) -> None:
+        """Called as the optimizer's step begins, before anything else comes back: whether bringing state
+        back during the last backward made the allocator retry."""
+        if self.retries_before is None:  # the last backward was not read
+            return
+        retried = self.brought > 0 and allocator_retries() - self.retries_before > RETRIES_TOLERATED
+        self.retrying = self.retrying + 1 if retried else 0
+        self.limited = self.limited or self.retrying >= RETRYING_BACKWARDS
+        self.retries_before = None
+
     def on_step_start(self) -> None:
-        """Called as the inner optimizer step starts (gradients prepared): learn what the step holds, and
-        whether bringing state back during the last backward made the allocator retry."""
+        """Called as the inner optimizer step starts (gradients prepared): learn what the step holds."""
         if self.step_started or not self.on_gpu:
             return
         self.step_started = True
         # Without state: kept state is not there yet in the iteration after the decision, and is later.
         held = allocated_bytes() - self.handle.gpu_state_bytes()
         self.at_step = held if self.at_step is None else max(self.at_step, held)
-        if self.retries_before is not None:  # the last backward was read
-            retried = self.brought > 0 and allocator_retries() - self.retries_before > RETRIES_TOLERATED
-            self.retrying = self.retrying + 1 if retried else 0
-            self.limited = self.limited or self.retrying >= RETRYING_BACKWARDS
 
     def new_iteration(self) -> None:
         """Called after every step: learn from the backward just seen, start afresh."""

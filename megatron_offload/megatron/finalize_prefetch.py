@@ -1,5 +1,6 @@
-"""``--offload-prefetch finalize``: the state starts back when gradients are finalized, so that its copy
-overlaps the gradient reduction, by wrapping each model config's ``finalize_model_grads_func``."""
+"""State back once backward is done: ``--offload-prefetch finalize`` starts it when gradients are finalized, so
+that its copy overlaps the gradient reduction, by wrapping each model config's ``finalize_model_grads_func``;
+the default starts what did not come back during backward as the step begins (``bring_back_for_step``)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ from typing import Any, Protocol
 
 import torch
 
+from megatron_offload.core.streams import PREFETCH
 from megatron_offload.megatron import pacing
 from megatron_offload.megatron.optimizer_internals import distributed_optimizers
 
-__all__ = ["PrefetchOnFinalize", "wrap_finalize_functions"]
+__all__ = ["PrefetchOnFinalize", "bring_back_for_step", "wrap_finalize_functions"]
 
 
 class Handle(pacing.Handle, Protocol):
@@ -32,16 +34,28 @@ class PrefetchOnFinalize:
         self.handle = handle
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        handle = self.handle
-        if handle.scheduler.decided:  # before, the peaks are read without state: nothing back early
-            # As much as the limit leaves beside what is allocated now and what the step will add; the
-            # rest streams through the step (under a tight cap the whole state does not fit at once).
-            allocated = torch.cuda.memory_allocated() if handle.on_cuda else 0
-            room = handle.scheduler.backward_room(allocated + handle.step_footprint())
-            handle.prefetch(max_bytes=max(0, room) if handle.on_cuda else None)
-            for offloader in handle.offloaders:
-                offloader.copies.flush()  # all of it now: no read of the host waits behind copies back
+        bring_back_for_step(self.handle)
         return self.inner(*args, **kwargs)
+
+
+def bring_back_for_step(handle: Handle) -> int:
+    """Backward is done (gradients finalized, or the step about to prepare them): start bringing back as much
+    as the limit leaves beside what is allocated now and what the step will add, every copy at once, so the
+    link's way in carries state while megatron-core prepares the gradients and takes their norm; the rest
+    streams through the step (under a tight cap the whole state does not fit at once). Nothing until what
+    stays is decided: before, the peaks are read without state. Returns the bytes started."""
+    if not handle.scheduler.decided:
+        return 0
+    room = None
+    if handle.on_cuda:
+        room = max(0, handle.scheduler.backward_room(torch.cuda.memory_allocated() + handle.step_footprint()))
+    started = handle.prefetch(max_bytes=room)
+    for offloader in handle.offloaders:
+        # All of it now: megatron-core's code until the step has no point of ours that would start them.
+        # Copies in only: a copy out started here would hold megatron-core's next host read of a GPU value
+        # (one copy engine serves the device-to-host copies in order).
+        offloader.copies.flush(PREFETCH)
+    return started
 
 
 def wrap_finalize_functions(handle: Handle) -> list[Any]:

@@ -16,7 +16,7 @@ from megatron_offload.config.options import OffloadConfig, PrefetchPolicy
 from megatron_offload.core.gpu_memory import allocator_retries, memory_limit_bytes
 from megatron_offload.core.stats import OffloadStats, totals
 from megatron_offload.megatron.backward_prefetch import PrefetchDuringBackward
-from megatron_offload.megatron.finalize_prefetch import PrefetchOnFinalize, wrap_finalize_functions
+from megatron_offload.megatron.finalize_prefetch import PrefetchOnFinalize, bring_back_for_step, wrap_finalize_functions
 from megatron_offload.megatron.kept_decision import KeptDecision
 from megatron_offload.megatron.optimizer_internals import _HANDLE_ATTR
 from megatron_offload.megatron.pacing import RoomForForward
@@ -45,6 +45,7 @@ class OffloadHandle:
         self.decision = KeptDecision(config, limit, lambda text: self.say(text))
         self.hook_waits = 0
         self.step_backlog_bytes = 0
+        self.brought_at_step = 0  # bytes started back as this iteration's step began (bring_back_for_step)
         self._pacer: PrefetchDuringBackward | None = None
         self._room: RoomForForward | None = None
         self._wrapped: list[tuple[Any, str, Any]] = []  # (object, attribute, what was there before)
@@ -153,8 +154,15 @@ class OffloadHandle:
 
     # ------------------------------------------------------------------------------ scheduling
     def _before_step(self) -> None:
-        if self.on_cuda:
-            self.decision.before_step()
+        """Backward is done: learn the limit, then (but with ``step``, the smallest footprint) start bringing
+        back what did not come back during backward, as far as the step leaves room."""
+        if not self.on_cuda:
+            return
+        self.decision.before_step()
+        if self._pacer is not None:
+            self._pacer.on_backward_done()  # before more comes back: its retries are the backward's
+        if self.streamed and self.config.prefetch is not PrefetchPolicy.STEP:
+            self.brought_at_step = bring_back_for_step(self)
 
     def _after_step(self, stepped: bool) -> None:
         """The state has left the step: the decision learns the peaks and decides what stays (KeptDecision).
@@ -162,7 +170,9 @@ class OffloadHandle:
         until no more is pending than the forward's peak has room for."""
         if not self.on_cuda:
             return
-        self.decision.after_step(self.offloaders, stepped, self._pacer.brought if self._pacer is not None else 0)
+        brought = self.brought_at_step + (self._pacer.brought if self._pacer is not None else 0)
+        self.brought_at_step = 0
+        self.decision.after_step(self.offloaders, stepped, brought)
         budget = self.scheduler.backlog_budget(self.kept_bytes())
         self.step_backlog_bytes = self.pending_offload_bytes()
         if self.step_backlog_bytes > budget and not (self._room is not None and self._room.paces):

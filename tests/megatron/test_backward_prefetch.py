@@ -2,7 +2,8 @@
 handle a ledger of what the hooks ask for. What it proves: what the last backward brings back leaves the
 step room for all kept state; a hook asks for nothing it could not bring back; once bringing state back
 made the allocator retry in a last backward, later ones bring back at most what the step leaves to the
-forward, and a retry that state coming back did not cause changes nothing."""
+forward, and a retry that state coming back during backward did not cause (at the step's start, say)
+changes nothing."""
 
 from __future__ import annotations
 
@@ -151,9 +152,11 @@ def test_retries_while_state_comes_back_limit_later_backwards_to_what_the_step_l
     hooks = backward_prefetch.PrefetchDuringBackward(ledger, [torch.nn.Linear(2, 2)], lambda: True)
     hooks.on_gpu = True
 
-    def iteration(retried: int = 0) -> int:
+    def iteration(retried: int = 0, at_step: int = 0) -> int:
         hooks.on_grad_ready(param)  # one backward per iteration, each the last
         readings["retries"] += retried  # the allocator retried during it
+        hooks.on_backward_done()
+        readings["retries"] += at_step  # state the step's start brought back made it retry: not the backward's
         hooks.on_step_start()
         brought = hooks.brought
         hooks.new_iteration()
@@ -162,6 +165,7 @@ def test_retries_while_state_comes_back_limit_later_backwards_to_what_the_step_l
     iteration()
     iteration()  # learns the backwards per iteration, the margin and the step
     everything = 8 * GIB if brings_back else 0
+    assert [iteration(at_step=5) for _ in range(2)] == [everything] * 2 and not hooks.limited
     assert [iteration(retried=count) for count in retries] == [everything] * len(retries)  # room for all of it
     expected = GIB if limited else everything
     assert [iteration() for _ in range(2)] == [expected] * 2

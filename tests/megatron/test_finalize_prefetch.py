@@ -37,3 +37,33 @@ def test_nothing_comes_back_early_until_what_stays_is_decided() -> None:
     handle.scheduler.decide([[GIB, GIB]])  # after iteration 2's step
     wrapper()
     assert handle.prefetched == [None] and len(finalized) == 3  # off the GPU: all of it, then finalized
+
+
+def test_what_did_not_come_back_starts_back_as_the_step_begins_within_its_room(monkeypatch) -> None:
+    """Backward done, the default starts back what the limit leaves beside what is allocated and the step's
+    own buffers, copies in only and all at once (no point of ours runs until the step); queued copies out
+    stay queued, for the loop's next points."""
+    from megatron_offload.core.streams import OFFLOAD, PREFETCH
+    from megatron_offload.megatron import finalize_prefetch
+
+    class Copies:
+        def __init__(self) -> None:
+            self.flushed: list[str | None] = []
+
+        def flush(self, direction: str | None = None) -> None:
+            self.flushed.append(direction)
+
+    class Offloader:
+        copies = Copies()
+
+    handle = Handle()
+    handle.on_cuda, handle.offloaders = True, [Offloader()]
+    handle.step_footprint = lambda: GIB
+    monkeypatch.setattr(finalize_prefetch.torch.cuda, "memory_allocated", lambda: 3 * GIB)
+    handle.scheduler.start_step()
+    handle.scheduler.observe_step_end(Peaks(4 * GIB, 4 * GIB), resident=0)
+    assert finalize_prefetch.bring_back_for_step(handle) == 0 and handle.prefetched == []  # not decided yet
+    handle.scheduler.decide([[GIB, GIB]])
+    finalize_prefetch.bring_back_for_step(handle)
+    assert handle.prefetched == [handle.scheduler.backward_room(4 * GIB)] and handle.prefetched[0] > 0
+    assert Offloader.copies.flushed == [PREFETCH] and OFFLOAD not in Offloader.copies.flushed
