@@ -13,7 +13,7 @@ from megatron_offload.core.streams import PREFETCH
 from megatron_offload.megatron import pacing
 from megatron_offload.megatron.optimizer_internals import distributed_optimizers
 
-__all__ = ["PrefetchOnFinalize", "bring_back_for_step", "wrap_finalize_functions"]
+__all__ = ["PrefetchOnFinalize", "bring_back_for_step", "unwrap_finalize_function", "wrap_finalize_functions"]
 
 
 class Handle(pacing.Handle, Protocol):
@@ -72,3 +72,9 @@ def wrap_finalize_functions(handle: Handle) -> list[Any]:
             model_config.finalize_model_grads_func = PrefetchOnFinalize(current, handle)
             wrapped.append(model_config)
     return wrapped
+
+
+def unwrap_finalize_function(model_config: Any) -> None:
+    """Put back the function ``wrap_finalize_functions`` wrapped, if it is still ours."""
+    if isinstance(model_config.finalize_model_grads_func, PrefetchOnFinalize):
+        model_config.finalize_model_grads_func = model_config.finalize_model_grads_func.inner

@@ -15,8 +15,8 @@ import torch
 from megatron_offload.config.options import OffloadConfig, PrefetchPolicy
 from megatron_offload.core.gpu_memory import allocator_retries, memory_limit_bytes
 from megatron_offload.core.stats import OffloadStats, totals
+from megatron_offload.megatron import finalize_prefetch
 from megatron_offload.megatron.backward_prefetch import PrefetchDuringBackward
-from megatron_offload.megatron.finalize_prefetch import PrefetchOnFinalize, bring_back_for_step, wrap_finalize_functions
 from megatron_offload.megatron.kept_decision import KeptDecision
 from megatron_offload.megatron.optimizer_internals import _HANDLE_ATTR
 from megatron_offload.megatron.pacing import RoomForForward
@@ -162,7 +162,7 @@ class OffloadHandle:
         if self._pacer is not None:
             self._pacer.on_backward_done()  # before more comes back: its retries are the backward's
         if self.streamed and self.config.prefetch is not PrefetchPolicy.STEP:
-            self.brought_at_step = bring_back_for_step(self)
+            self.brought_at_step = finalize_prefetch.bring_back_for_step(self)
 
     def _after_step(self, stepped: bool) -> None:
         """The state has left the step: the decision learns the peaks and decides what stays (KeptDecision).
@@ -197,8 +197,7 @@ class OffloadHandle:
         """Bring all state back to the GPU and undo every wrapper. Safe to call twice."""
         for obj, name, before in reversed(self._wrapped):
             if name == "finalize_model_grads_func":
-                if isinstance(obj.finalize_model_grads_func, PrefetchOnFinalize):
-                    obj.finalize_model_grads_func = obj.finalize_model_grads_func.inner
+                finalize_prefetch.unwrap_finalize_function(obj)
             elif before is None:
                 vars(obj).pop(name, None)
             else:
@@ -222,11 +221,10 @@ class OffloadHandle:
 
     def _install_finalize_hooks(self) -> None:
         """(Re)wrap each model config's finalize function (finalize_prefetch.py), after every step too."""
-        if self.config.prefetch is not PrefetchPolicy.FINALIZE:
-            return
-        for model_config in wrap_finalize_functions(self):
-            if not any(obj is model_config for obj, _, _ in self._wrapped):
-                self._wrapped.append((model_config, "finalize_model_grads_func", None))
+        if self.config.prefetch is PrefetchPolicy.FINALIZE:
+            for config in finalize_prefetch.wrap_finalize_functions(self):
+                if not any(obj is config for obj, _, _ in self._wrapped):
+                    self._wrapped.append((config, "finalize_model_grads_func", None))
 
     def _step_wrapper(self, step: Callable[..., Any]) -> Callable[..., Any]:
         def step_with_offload(*args: Any, **kwargs: Any) -> Any:
