@@ -176,3 +176,49 @@ def test_the_step_leaves_the_next_forward_what_the_link_carries_in_half_its_firs
     for offloader in offloaders:
         offloader.stats.offload_seconds = 0.0
     assert handle.forward_hides() == 0  # no copy out timed yet
+
+
+@pytest.mark.parametrize("prefetch", ["auto", "step"])
+def test_what_moves_starts_back_as_the_step_begins_within_its_room(
+    monkeypatch: pytest.MonkeyPatch, offloaders: list, prefetch: str
+) -> None:
+    """Once what stays is decided, the default starts back at the step's start the chunks still in host memory,
+    whole and in step order, that fit in what the limit leaves beside what is allocated and the step's buffers;
+    the backward's hooks have read their retries first (those are the backward's). ``step`` (the smallest
+    footprint) brings nothing back."""
+    state = sum(offloader.plan.full_bytes() for offloader in offloaders)
+    handle = handle_with_room(monkeypatch, offloaders, room=state // 3, prefetch=prefetch)
+    iteration(handle)  # the decision: a third of the state stays, the rest moves
+    for offloader in offloaders:  # all of it in host memory, as after iteration 2's step
+        offloader.offload()
+        offloader.copies.drain()
+    seen = []
+
+    class Backward:  # the backward's hooks, as the handle sees them
+        brought = 0
+
+        def on_backward_done(self) -> None:
+            seen.append(sum(offloader.gpu_state_bytes for offloader in offloaders))
+
+        def new_iteration(self) -> None: ...
+
+    handle._pacer = Backward()
+    moving = [chunk.nbytes for offloader in offloaders for chunk in offloader.chunks if not chunk.kept]
+    allocated = handle.scheduler.backward_room(handle.step_footprint()) - sum(moving) // 2  # room for about half
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *args: allocated)
+    room = handle.scheduler.backward_room(allocated + handle.step_footprint())
+    before = sum(offloader.gpu_state_bytes for offloader in offloaders)
+    handle._before_step()
+    assert seen == [before]  # the retries were read before anything came back
+    if prefetch == "step":
+        assert handle.brought_at_step == 0
+        return
+    assert 0 < room < sum(moving), (room, moving)  # room for some of it, not all
+    expected = 0  # whole chunks in step order (kept ones too: in host memory until this step), up to the room
+    for offloader in offloaders:
+        for chunk in offloader.chunks:
+            if expected + chunk.nbytes > room:
+                break
+            expected += chunk.nbytes
+    assert handle.brought_at_step == expected > 0
+    assert sum(offloader.gpu_state_bytes for offloader in offloaders) == before + expected
