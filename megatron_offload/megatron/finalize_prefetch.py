@@ -7,8 +7,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import torch
-
 from megatron_offload.core.streams import PREFETCH
 from megatron_offload.megatron import pacing
 from megatron_offload.megatron.optimizer_internals import distributed_optimizers
@@ -48,7 +46,7 @@ def bring_back_for_step(handle: Handle) -> int:
         return 0
     room = None
     if handle.on_cuda:
-        room = max(0, handle.scheduler.backward_room(torch.cuda.memory_allocated() + handle.step_footprint()))
+        room = max(0, handle.scheduler.backward_room(pacing.allocated_bytes() + handle.step_footprint()))
     started = handle.prefetch(max_bytes=room)
     for offloader in handle.offloaders:
         # All of it now: megatron-core's code until the step has no point of ours that would start them.

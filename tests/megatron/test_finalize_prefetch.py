@@ -59,7 +59,7 @@ def test_what_did_not_come_back_starts_back_as_the_step_begins_within_its_room(m
     handle = Handle()
     handle.on_cuda, handle.offloaders = True, [Offloader()]
     handle.step_footprint = lambda: GIB
-    monkeypatch.setattr(finalize_prefetch.torch.cuda, "memory_allocated", lambda: 3 * GIB)
+    monkeypatch.setattr(finalize_prefetch.pacing, "allocated_bytes", lambda: 3 * GIB)
     handle.scheduler.start_step()
     handle.scheduler.observe_step_end(Peaks(4 * GIB, 4 * GIB), resident=0)
     assert finalize_prefetch.bring_back_for_step(handle) == 0 and handle.prefetched == []  # not decided yet

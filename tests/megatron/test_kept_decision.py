@@ -10,7 +10,7 @@ import torch
 from megatron_offload import OptimizerStateOffloader
 from megatron_offload.config.options import OffloadConfig
 from megatron_offload.core.units import GIB
-from megatron_offload.megatron import offload_handle
+from megatron_offload.megatron import offload_handle, pacing
 from megatron_offload.megatron.kept_decision import LEARNING_STEPS
 from megatron_offload.megatron.optimizer_adapter import OffloadFitError, OffloadHandle
 from megatron_offload.megatron.pacing import RoomForForward
@@ -205,7 +205,7 @@ def test_what_moves_starts_back_as_the_step_begins_within_its_room(
     handle._pacer = Backward()
     moving = [chunk.nbytes for offloader in offloaders for chunk in offloader.chunks if not chunk.kept]
     allocated = handle.scheduler.backward_room(handle.step_footprint()) - sum(moving) // 2  # room for about half
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *args: allocated)
+    monkeypatch.setattr(pacing, "allocated_bytes", lambda: allocated)
     room = handle.scheduler.backward_room(allocated + handle.step_footprint())
     before = sum(offloader.gpu_state_bytes for offloader in offloaders)
     handle._before_step()
