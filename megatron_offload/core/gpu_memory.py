@@ -26,15 +26,18 @@ from collections.abc import Iterator
 import torch
 
 from megatron_offload.core.mapped_memory import mapped_allocated_bytes, mapped_bytes
-from megatron_offload.core.units import GIB
+from megatron_offload.core.units import GIB, MIB
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "EXPANDABLE_PAGE_BYTES",
+    "allocator_limit",
     "allocator_retries",
     "apply_memory_cap",
     "expandable_segments_from_now",
     "every_segment_remappable",
+    "expandable_segments_on",
     "gpu_only",
     "memory_limit_bytes",
     "refresh_memory_cap",
@@ -46,6 +49,10 @@ ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
 CAP_FLAG = "--offload-gpu-memory-cap-gib"
 """How the cap is named in a refusal unless the caller names it otherwise (the Python API's field)."""
+# With expandable segments the allocator checks a request against the process's fraction, then maps pages of
+# its large pool, 20 MiB each, to serve it: what it reserves may pass the fraction by up to one page (measured:
+# 11 MiB over a cap). Held that much under the cap, it stays under it.
+EXPANDABLE_PAGE_BYTES = 20 * MIB
 
 # Module-level on purpose: like the allocator it records a setting of, it is the process's (turned on, and
 # said in the log, once per process, however many offloaders are attached).
@@ -123,7 +130,7 @@ def refresh_memory_cap(cap_bytes: int | None, device: int, name: str = CAP_FLAG)
     if cap_bytes is None:
         return
     total = torch.cuda.get_device_properties(device).total_memory
-    allowed = cap_bytes + mapped_bytes()
+    allowed = allocator_limit(cap_bytes)
     if allowed > total:
         raise ValueError(
             f"{name} {cap_bytes / GIB:g} plus the {mapped_bytes() / GIB:.1f} GiB of "
@@ -131,6 +138,19 @@ def refresh_memory_cap(cap_bytes: int | None, device: int, name: str = CAP_FLAG)
             f"{total / GIB:.1f} GiB, which PyTorch's cap cannot express; give a smaller cap."
         )
     torch.cuda.set_per_process_memory_fraction(allowed / total, device)
+
+
+def allocator_limit(cap_bytes: int) -> int:
+    """The allocator's own limit for a cap, in its accounting: the cap, plus the device-mapped host memory
+    (PyTorch counts it), less one page where expandable segments map memory (``EXPANDABLE_PAGE_BYTES``)."""
+    return cap_bytes + mapped_bytes() - (EXPANDABLE_PAGE_BYTES if expandable_segments_on() else 0)
+
+
+def expandable_segments_on(environ: dict[str, str] | None = None) -> bool:
+    """Whether the allocator makes expandable segments: turned on here, or in its configuration variables."""
+    environ = os.environ if environ is None else environ
+    settings = ",".join(environ.get(name, "") for name in ALLOCATOR_VARIABLES).replace(" ", "").lower()
+    return _expandable_from_now or "expandable_segments:true" in settings
 
 
 @contextlib.contextmanager
@@ -162,7 +182,7 @@ def memory_limit_bytes(device: torch.device | int | None, cap_bytes: int | None 
     """What this process's caching allocator can hold on ``device``: the cap (``cap_bytes``) when there is
     one, else the fraction set on the process, else what it holds now plus what the GPU has free."""
     if cap_bytes is not None:
-        return cap_bytes + mapped_bytes()  # in the allocator's accounting, mapped host bytes included
+        return allocator_limit(cap_bytes)
     index = device_index(device)
     read_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # newer torch only
     fraction = read_fraction(index) if read_fraction is not None else 1.0

@@ -24,10 +24,13 @@ def fractions(monkeypatch: pytest.MonkeyPatch) -> list[tuple[float, int]]:
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(total_memory=TOTAL))
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device: set_.append((f, device)))
     monkeypatch.setattr(gpu_memory, "mapped_bytes", lambda: 0)
+    for name in gpu_memory.ALLOCATOR_VARIABLES:  # fixed-size segments unless a test says otherwise
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(gpu_memory, "_expandable_from_now", False)
     return set_
 
 
-def test_the_planner_plans_against_the_configs_cap() -> None:
+def test_the_planner_plans_against_the_configs_cap(fractions: list) -> None:
     handle = OffloadHandle(object(), OffloadConfig(gpu_memory_cap_gib=2.5))
     assert handle.scheduler.limit() == int(2.5 * GIB)
     assert gpu_memory.memory_limit_bytes(None, cap_bytes=3 * GIB) == 3 * GIB + gpu_memory.mapped_bytes()
@@ -65,9 +68,33 @@ def attachable(monkeypatch: pytest.MonkeyPatch, fractions: list) -> types.Simple
 
 def test_attach_applies_the_configs_cap(attachable: types.SimpleNamespace, fractions: list) -> None:
     handle = attach_offloader(attachable, gpu_memory_cap_gib=20)
-    assert fractions == [(0.25, 0)]
-    assert handle.scheduler.limit() == 20 * GIB
+    held = 20 * GIB - gpu_memory.EXPANDABLE_PAGE_BYTES  # expandable segments: one page under the cap
+    assert fractions == [(held / TOTAL, 0)]
+    assert handle.scheduler.limit() == held
     handle.detach()
+
+
+@pytest.mark.parametrize(
+    ("variable", "setting", "expandable"),
+    [
+        ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", True),
+        ("PYTORCH_ALLOC_CONF", "max_split_size_mb:128, expandable_segments:True", True),
+        ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False", False),
+        ("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128", False),
+    ],
+)
+def test_with_expandable_segments_the_allocator_is_held_one_page_under_the_cap(
+    monkeypatch: pytest.MonkeyPatch, fractions: list, variable: str, setting: str, expandable: bool
+) -> None:
+    """Expandable segments map 20 MiB pages after checking a request against the fraction, so what the
+    allocator reserves may pass the fraction by up to a page: the fraction is set a page under the cap, and
+    the offloader decides against that same limit. With fixed-size segments the cap is the fraction."""
+    monkeypatch.setenv(variable, setting)
+    assert gpu_memory.expandable_segments_on() is expandable
+    held = 20 * GIB - (gpu_memory.EXPANDABLE_PAGE_BYTES if expandable else 0)
+    assert gpu_memory.apply_memory_cap(20, 0) == 20 * GIB  # the cap as given, for the messages that name it
+    assert fractions == [(held / TOTAL, 0)]
+    assert gpu_memory.memory_limit_bytes(0, cap_bytes=20 * GIB) == held
 
 
 def test_attach_refusing_the_cap_undoes_itself(attachable: types.SimpleNamespace, fractions: list) -> None:
