@@ -146,11 +146,10 @@ def allocator_limit(cap_bytes: int) -> int:
     return cap_bytes + mapped_bytes() - (EXPANDABLE_PAGE_BYTES if expandable_segments_on() else 0)
 
 
-def expandable_segments_on(environ: dict[str, str] | None = None) -> bool:
+def expandable_segments_on() -> bool:
     """Whether the allocator makes expandable segments: turned on here, or in its configuration variables."""
-    environ = os.environ if environ is None else environ
-    settings = ",".join(environ.get(name, "") for name in ALLOCATOR_VARIABLES).replace(" ", "").lower()
-    return _expandable_from_now or "expandable_segments:true" in settings
+    settings = ",".join(os.environ.get(name, "") for name in ALLOCATOR_VARIABLES).replace(" ", "").lower()
+    return _expandable_from_now or EXPANDABLE_SEGMENTS.lower() in settings
 
 
 @contextlib.contextmanager
