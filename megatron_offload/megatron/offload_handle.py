@@ -126,11 +126,13 @@ class OffloadHandle:
         megatron-core's first ``.item()`` after it: one copy engine serves the device-to-host copies in
         order, a 4-byte read behind gigabytes. 0 until a forward and the copies out were timed."""
         ms = self._room.first_forward_ms if self._room is not None else None
+        return int(self.link_out() * ms / 1000 / 2) if ms else 0
+
+    def link_out(self) -> float:
+        """Bytes per second the copies out have reached, all offloaders together (their own spans: at most
+        the link's speed); 0 until one was timed."""
         out = totals(offloader.stats for offloader in self.offloaders)
-        if not ms or out.offload_seconds <= 0:
-            return 0
-        link = out.bytes_offloaded / out.offload_seconds  # the copies' own spans: at most the link's speed
-        return int(link * ms / 1000 / 2)
+        return out.bytes_offloaded / out.offload_seconds if out.offload_seconds > 0 else 0.0
 
     def forward_hides(self) -> int:
         """Each offloader's share of ``left_to_forward()`` (ShareOut's ``left`` in its step)."""

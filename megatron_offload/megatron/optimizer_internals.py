@@ -33,6 +33,7 @@ from packaging.version import Version
 from megatron_offload.optimizer_state import streamed_step
 from megatron_offload.optimizer_state.chunk_step import ChunkStepper
 from megatron_offload.optimizer_state.offloader import OptimizerStateOffloader
+from megatron_offload.optimizer_state.share_out import StepWindow
 
 logger = logging.getLogger(__name__)
 
@@ -137,11 +138,13 @@ class _StreamedStep:
         offloader: OptimizerStateOffloader,
         on_start: Callable[[], None],
         forward_hides: Callable[[], int],
+        link_out: Callable[[], float],
     ) -> None:
         self.dist_opt = dist_opt
         self.offloader = offloader
         self.on_start = on_start
         self.forward_hides = forward_hides  # OffloadHandle.forward_hides, read at each step
+        self.window = StepWindow(offloader.streams, link_out)  # learned at each step, bounds the next's copies out
         self.stepper = ChunkStepper(dist_opt.optimizer)
         self.copy_all = dist_opt._copy_main_params_to_model_params
         self.copied = False
@@ -152,7 +155,14 @@ class _StreamedStep:
         self.on_start()
         try:
             hides = self.forward_hides()
-            streamed_step.run(self.offloader, self.stepper, self.copy_chunk_to_model, self.stage, forward_hides=hides)
+            streamed_step.run(
+                self.offloader,
+                self.stepper,
+                self.copy_chunk_to_model,
+                self.stage,
+                forward_hides=hides,
+                window=self.window,
+            )
         finally:
             if self.stage is not None:
                 self.stage.end_step()

@@ -24,7 +24,7 @@ from megatron_offload.core.units import MIB
 from megatron_offload.optimizer_state import plan as planning
 from megatron_offload.optimizer_state.chunk_step import ChunkStepper
 from megatron_offload.optimizer_state.plan import Chunk
-from megatron_offload.optimizer_state.share_out import ShareOut
+from megatron_offload.optimizer_state.share_out import ShareOut, StepWindow
 from megatron_offload.optimizer_state.staged_params import STAGED_BUFFERS, staged_bytes
 
 if TYPE_CHECKING:
@@ -103,13 +103,15 @@ def run(
     after_chunk: AfterChunk | None = None,
     stage: Stage | None = None,
     forward_hides: int = 0,
+    window: StepWindow | None = None,
 ) -> None:
     """Run the optimizer step chunk by chunk and leave the state leaving (kept chunks on the GPU).
     ``after_chunk(params)`` runs right after each chunk's update, while its state is on the GPU
     (Megatron copies the masters into the model there). State the optimizer creates on the way (Adam's
     moments, at its first step) joins its chunk and leaves with it. Falls back to one whole step when
     the plan does not match the state (after a load replaced tensors). ``stage``: see the NOTE above.
-    ``forward_hides``: bytes of the ready chunks' copies out left queued for the next forward (``ShareOut``)."""
+    ``forward_hides``: bytes of the ready chunks' copies out left queued for the next forward (``ShareOut``);
+    ``window``: the step's time beside its ready chunks' copies out, learned here, bounding those started in it."""
     off.copies.pump()  # a failed copy is named here, before anything is updated
     off.check_gradients()
     stepper.begin()
@@ -176,7 +178,8 @@ def run(
             bring_in(index, fresh)
         moving = sum(chunk.nbytes for chunk in ready if not chunk.kept)
         coming = off.copies.pending_bytes(PREFETCH)  # what came back late and the first streamed chunks
-        beside = ShareOut(off.copies, moving, coming, sum(chunk.nbytes for chunk in streamed), forward_hides)
+        streamed_bytes = sum(chunk.nbytes for chunk in streamed)
+        beside = ShareOut(off.copies, moving, coming, streamed_bytes, forward_hides, window)
         for group in ready_groups:
             update(group)
             for chunk in group:
@@ -198,7 +201,11 @@ def run(
                 # The buffer may be overwritten once that chunk's copy out has read it (queued already).
                 bring_in(upcoming, leaving[before].done if before >= 0 and leaving[before] else fresh)
         off.state.adopted_all()  # the plan was current at the start and every new tensor joined its chunk
+        if window is not None:
+            window.close()
     finally:
+        if window is not None:
+            window.abandon()  # a window still open here is a failed step's
         off.queue_out()  # whatever is still here and not kept leaves, never half-way (the plan was checked above)
         off.count_step()
         off.copies.pump()
