@@ -39,11 +39,13 @@ class StepWindow:
     def open(self) -> None:
         """The step's first ready group has been queued: its copies out may start from here (on the device)."""
         if self._opened is None and self.streams.timed:
+            # Timed, on the compute stream behind that update; read at the next step, never waited for.
             self._opened = self.streams.mark(timed=True)
 
     def close(self) -> None:
         """The step's work has been queued: the window ends where the compute stream is now."""
         if self._opened is not None:
+            # Behind the step's last update on the compute stream; queried, never waited for (``carries``).
             self._timed = (self._opened, self.streams.mark(timed=True))
             self._opened = None
 
