@@ -3,7 +3,8 @@
 Chunks already on the GPU are updated first, in groups, while the first streamed chunks come in; their
 copies out start within the step (``ShareOut``: between the streamed chunks', all at once when nothing
 streams), but for the bytes left to the loop's next points. The others stream through ``STAGING_CHUNKS``
-buffers (chunk i+2 in, i updated, i-1 out, at once), every order kept on the device, so the host never waits.
+buffers as large as the largest of them, one after another as through a ring (``staging_ring``): copies in
+ahead, one chunk updated, copies out behind, at once, every order kept on the device, so the host never waits.
 NOTE: a streamed chunk's copy out starts within the step (its buffer is needed again).
 NOTE: with a ``stage`` (params whose values and gradients live in device-mapped host memory), each
 group's params and gradients come to the GPU ahead of its update (the stage is told the order first),
@@ -19,9 +20,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from megatron_offload.core.streams import PREFETCH
+from megatron_offload.core.streams import PREFETCH, Event
 from megatron_offload.core.units import MIB
 from megatron_offload.optimizer_state import plan as planning
+from megatron_offload.optimizer_state import staging_ring
 from megatron_offload.optimizer_state.chunk_step import ChunkStepper
 from megatron_offload.optimizer_state.plan import Chunk
 from megatron_offload.optimizer_state.share_out import ShareOut, StepWindow
@@ -164,18 +166,31 @@ def run(
             off.count_plan()
         return any(added)
 
-    def bring_in(index: int, after: object) -> None:
-        chunk = streamed[index]
-        buffer = staging[index % STAGING_CHUNKS][: chunk.nbytes]
-        off.copies.start(off.queue_prefetch(chunk, buffer, after=after))
+    place = staging_ring.places([chunk.nbytes for chunk in streamed], size, len(staging))
+    leaving: list[Event] = []  # per streamed chunk updated: its copy out's end (or a mark after its update)
+    brought = 0  # streamed chunks whose copy in is queued
+
+    def bring_in_due() -> None:
+        """Queue, in order, the copies in of the streamed chunks whose bytes no chunk still to leave holds."""
+        nonlocal brought
+        while brought < len(streamed):
+            chunk, at = streamed[brought], place[brought]
+            if at.reuses is not None and at.reuses >= len(leaving):
+                return  # its bytes are an earlier chunk's, not queued out yet: after that chunk's update
+            # On the device: the bytes may be written once the copy out that reads them has landed (queued
+            # already; or the update that last used them has run); fresh staging once the compute stream's
+            # work queued before the step is done.
+            after = fresh if at.reuses is None else leaving[at.reuses]
+            buffer = staging[at.buffer][at.offset : at.offset + at.size]
+            off.copies.start(off.queue_prefetch(chunk, buffer, after=after))
+            brought += 1
 
     group_bytes = off.chunk_bytes if stage is not None else max(READY_GROUP_BYTES, off.chunk_bytes)
     ready_groups = list(_groups(ready, group_bytes))
     try:
         if stage is not None:  # the update order: the stage brings each group's params in ahead of it
             stage.begin([[p for c in group for p in c.params] for group in [*ready_groups, *([c] for c in streamed)]])
-        for index in range(min(STAGING_CHUNKS - 1, len(streamed))):
-            bring_in(index, fresh)
+        bring_in_due()
         moving = sum(chunk.nbytes for chunk in ready if not chunk.kept)
         coming = off.copies.pending_bytes(PREFETCH)  # what came back late and the first streamed chunks
         streamed_bytes = sum(chunk.nbytes for chunk in streamed)
@@ -185,21 +200,18 @@ def run(
             for chunk in group:
                 if not chunk.kept:
                     beside.add(off.queue_offload(chunk))
-        leaving = []
-        for index, chunk in enumerate(streamed):
+        for chunk in streamed:
             created = update([chunk])
-            leaving.append(off.queue_offload(chunk, now=True))  # its buffer is needed again: out at once
+            out = off.queue_offload(chunk, now=True)  # its bytes are needed again: out at once
+            # Without a copy out, its bytes are free once the update queued on the compute stream has run.
+            leaving.append(out.done if out is not None else off.streams.mark())
             beside.streamed_out(chunk)
             excess = off.leaving_bytes - STAGING_CHUNKS * size
             if created and excess > 0:
                 # Adam's first step makes the moments in memory of their own, faster than they can leave:
                 # on the host, once, wait for the oldest to land, so that step holds a few chunks too.
                 off.copies.drain(excess)
-            upcoming = index + STAGING_CHUNKS - 1
-            if upcoming < len(streamed):
-                before = upcoming - STAGING_CHUNKS  # the chunk that used this buffer last
-                # The buffer may be overwritten once that chunk's copy out has read it (queued already).
-                bring_in(upcoming, leaving[before].done if before >= 0 and leaving[before] else fresh)
+            bring_in_due()
         off.state.adopted_all()  # the plan was current at the start and every new tensor joined its chunk
         if window is not None:
             window.close()

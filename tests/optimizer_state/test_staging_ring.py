@@ -1,0 +1,125 @@
+"""Where the streamed step puts each streamed chunk in its staging buffers (``staging_ring.places``), on the CPU.
+
+What it proves: chunks of one size take turns through the three buffers as before (each reuses the one three
+before it); uneven chunks follow one another through the buffers, so that after one large chunk the copies in
+of the small ones need not wait for its copy out; every place lies inside its buffer, aligned; a chunk waits
+for the latest earlier chunk whose bytes it overlaps, never for one of the two before it (which the host has
+not queued out yet when it queues this copy in); and the streamed step so placed matches the optimizer's own
+step bit for bit, its copies in waiting for exactly those copies out.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from megatron_offload.core.streams import OFFLOAD, PREFETCH, HostStreams
+from megatron_offload.optimizer_state import streamed_step
+from megatron_offload.optimizer_state.chunk_step import ChunkStepper
+from megatron_offload.optimizer_state.plan import ALIGN
+from megatron_offload.optimizer_state.staging_ring import places
+from tests.optimizer_state.test_engine_cpu import (
+    adam_with_masters,
+    assert_same_training_state,
+    offloader_for,
+    set_grads,
+)
+
+
+def overlaps(a, b) -> bool:
+    return a.buffer == b.buffer and a.offset < b.offset + b.size and b.offset < a.offset + a.size
+
+
+def test_chunks_of_one_size_take_turns_through_the_three_buffers() -> None:
+    found = places([ALIGN * 4] * 7, ALIGN * 4, 3)
+    assert [(p.buffer, p.offset) for p in found] == [(i % 3, 0) for i in range(7)]
+    assert [p.reuses for p in found] == [None, None, None, 0, 1, 2, 3]
+
+
+def test_after_a_large_chunk_the_small_ones_fill_the_other_buffers() -> None:
+    large, small = 16 * ALIGN, ALIGN
+    found = places([large, *[small] * 40], large, 3)
+    assert found[0].buffer == 0
+    assert [p.buffer for p in found[1:33]] == [1] * 16 + [2] * 16  # 32 small chunks without reusing any bytes
+    assert all(p.reuses is None for p in found[:33])
+    assert found[33].buffer == 0 and found[33].reuses == 0  # the large chunk's bytes: only once it has left
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_every_chunk_waits_for_the_latest_earlier_chunk_on_its_bytes(seed: int) -> None:
+    generator = random.Random(seed)
+    sizes = [generator.choice([1, 3, 7, 64, 200, 256]) * ALIGN - generator.randrange(ALIGN) for _ in range(60)]
+    capacity = max(sizes) + generator.randrange(3) * ALIGN
+    found = places(sizes, capacity, 3)
+    for index, place in enumerate(found):
+        assert place.size == sizes[index] and place.offset % ALIGN == 0
+        assert place.offset >= 0 and place.offset + place.size <= capacity and 0 <= place.buffer < 3
+        earlier = [k for k in range(index) if overlaps(found[k], place)]
+        assert place.reuses == max(earlier, default=None)
+        assert place.reuses is None or place.reuses <= index - 3
+
+
+def test_a_chunk_larger_than_the_buffers_is_refused() -> None:
+    with pytest.raises(ValueError, match="cannot hold a chunk"):
+        places([ALIGN, 3 * ALIGN], 2 * ALIGN, 3)
+
+
+class Dependencies(HostStreams):
+    """Copies at once, as HostStreams, recording each copy's direction and the event it waits for; its end
+    event is its index in that record."""
+
+    def __init__(self) -> None:
+        self.copies: list[tuple[str, object]] = []
+
+    def copy(self, direction, pairs, after):
+        super().copy(direction, pairs, after)
+        self.copies.append((direction, after))
+        return None, Done(len(self.copies) - 1)
+
+
+class Done:
+    """A copy's end that reads as still running until waited for, so that copies queued behind it name it."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.landed = False
+
+    def query(self) -> bool:
+        return self.landed
+
+    def synchronize(self) -> None:
+        self.landed = True
+
+
+def test_the_streamed_step_over_uneven_chunks_matches_the_plain_step() -> None:
+    """One parameter's state is many chunks' size: the step streams through the ring, bit for bit."""
+    torch.manual_seed(0)
+    reference, _ = adam_with_masters((2000, *[150] * 40))
+    torch.manual_seed(0)
+    optimizer, masters = adam_with_masters((2000, *[150] * 40))
+    streams = Dependencies()
+    offloader = offloader_for(optimizer, masters, chunk_bytes=2000, streams=streams)
+    offloader.offload()
+    stepper = ChunkStepper(optimizer)
+    for step in range(4):
+        set_grads(reference, step)
+        reference.step()
+        set_grads(optimizer, step)
+        with offloader.params_on_device():
+            streamed_step.run(offloader, stepper)
+        offloader.copies.drain()
+    sizes = [chunk.nbytes for chunk in offloader.chunks]
+    assert max(sizes) > 3 * min(sizes)  # uneven: the ring packs the small ones
+    # The last step's copies, in the order queued: the copies in of the small chunks the large one's buffer
+    # takes over wait for its copy out, the first ones for nothing.
+    last = len(streams.copies) - 2 * len(sizes)
+    ins = [after for direction, after in streams.copies[last:] if direction == PREFETCH]
+    outs = [last + i for i, (direction, _) in enumerate(streams.copies[last:]) if direction == OFFLOAD]
+    assert len(ins) == len(outs) == len(sizes)  # every chunk streamed: in and out once, in step order
+    expected = [None if p.reuses is None else outs[p.reuses] for p in places(sizes, max(sizes), 3)]
+    assert [None if after is None else after.index for after in ins] == expected
+    assert expected[:3] == [None] * 3 and any(expected)
+    offloader.wait()
+    assert_same_training_state(reference, optimizer)
