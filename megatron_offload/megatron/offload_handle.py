@@ -49,6 +49,7 @@ class OffloadHandle:
         self._pacer: PrefetchDuringBackward | None = None
         self._room: RoomForForward | None = None
         self._wrapped: list[tuple[Any, str, Any]] = []  # (object, attribute, what was there before)
+        self.streamed_steps: list[Any] = []  # each DistributedOptimizer's step (optimizer_internals._StreamedStep)
 
     @property
     def scheduler(self) -> StateScheduler:
@@ -156,8 +157,9 @@ class OffloadHandle:
 
     # ------------------------------------------------------------------------------ scheduling
     def _before_step(self) -> None:
-        """Backward is done: learn the limit, then (but with ``step``, the smallest footprint) start bringing
-        back what did not come back during backward, as far as the step leaves room."""
+        """Backward is done: learn the limit, then start bringing back what did not come back during backward,
+        as far as the step leaves room; with ``step`` (the smallest footprint), through the update's staging
+        buffers only. Either way the copies in run beside megatron-core's work ahead of Adam."""
         if not self.on_cuda:
             return
         self.decision.before_step()
@@ -165,6 +167,9 @@ class OffloadHandle:
             self._pacer.on_backward_done()  # before more comes back: its retries are the backward's
         if self.streamed and self.config.prefetch is not PrefetchPolicy.STEP:
             self.brought_at_step = finalize_prefetch.bring_back_for_step(self)
+        elif self.streamed:
+            for streamed in self.streamed_steps:
+                streamed.begin_staging()  # the state's copies in beside megatron-core's work ahead of Adam
 
     def _after_step(self, stepped: bool) -> None:
         """The state has left the step: the decision learns the peaks and decides what stays (KeptDecision).
@@ -212,6 +217,7 @@ class OffloadHandle:
         for offloader in self.offloaders:
             offloader.restore()
         self.offloaders.clear()
+        self.streamed_steps.clear()
         if getattr(self.optimizer, _HANDLE_ATTR, None) is self:
             delattr(self.optimizer, _HANDLE_ATTR)
 
@@ -248,6 +254,8 @@ class OffloadHandle:
             finally:
                 # Successful, skipped or failed: the state leaves in one piece, never half-way; its copies
                 # start at the next points of the loop, a few at a time.
+                for streamed in self.streamed_steps:
+                    streamed.drop_staging()
                 for offloader in self.offloaders:
                     offloader.offload(now=False)
                     offloader.copies.pump()

@@ -100,6 +100,7 @@ def attach_offloader(optimizer: Any, config: OffloadConfig | None = None, **over
                 streamed = _StreamedStep(
                     dist_opt, offloader, handle._on_step_start, handle.forward_hides, handle.link_out
                 )
+                handle.streamed_steps.append(streamed)
                 handle._wrap_method(dist_opt.optimizer, "step", lambda _inner, s=streamed: s.step)
                 copy_name = "_copy_main_params_to_model_params"
                 handle._wrap_method(dist_opt, copy_name, lambda _inner, s=streamed: s.copy_main_params_to_model_params)

@@ -34,6 +34,7 @@ from megatron_offload.optimizer_state import streamed_step
 from megatron_offload.optimizer_state.chunk_step import ChunkStepper
 from megatron_offload.optimizer_state.offloader import OptimizerStateOffloader
 from megatron_offload.optimizer_state.share_out import StepWindow
+from megatron_offload.optimizer_state.staging_ring import Staging
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +150,20 @@ class _StreamedStep:
         self.copy_all = dist_opt._copy_main_params_to_model_params
         self.copied = False
         self.stage: streamed_step.Stage | None = None  # set where masters and gradients live in host memory
+        self.staging: Staging | None = None  # taken as the optimizer's step began (begin_staging), for its update
         self._cuts: dict[tuple[int, ...], dict[str, list]] = {}  # group lists cut to a chunk, made once
+
+    def begin_staging(self) -> None:
+        """As megatron-core's step begins: start the streamed chunks' copies in, to run beside its work ahead of
+        the update. Not with a stage (its own copies are ordered with the update's), nor where the update will
+        not stream (the plan does not match the state: the whole step then)."""
+        off = self.offloader
+        if self.stage is None and not off.plan.loose_masters and off.chunks and off.plan_is_current():
+            self.staging = streamed_step.begin_staging(off)
+
+    def drop_staging(self) -> None:
+        """The step has ended (or megatron-core skipped the update): what was staged leaves with the rest."""
+        self.staging = None
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         self.on_start()
@@ -162,8 +176,10 @@ class _StreamedStep:
                 self.stage,
                 forward_hides=hides,
                 window=self.window,
+                staging=self.staging,
             )
         finally:
+            self.staging = None
             if self.stage is not None:
                 self.stage.end_step()
         self.copied = True

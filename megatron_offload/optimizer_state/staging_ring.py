@@ -7,16 +7,23 @@ follow one another through the buffers as through a ring: each after the one bef
 it fits, else at the start of the next buffer, round robin. A chunk's copy in waits, on the device, for the
 copy out of the last earlier chunk whose bytes it takes over (copies out land in order: the earlier ones have
 landed then); small chunks fill a buffer, so the copies in run up to two buffers ahead of the update.
+``Staging`` holds one step's buffers and starts those copies in as the chunks before them leave; it may be made
+as the optimizer's step begins, before megatron-core's own work ahead of the update (``streamed_step.begin_staging``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from megatron_offload.optimizer_state.plan import ALIGN
+from megatron_offload.core.streams import Event
+from megatron_offload.optimizer_state.plan import ALIGN, Chunk, Plan
 
-__all__ = ["Place", "places"]
+if TYPE_CHECKING:
+    from megatron_offload.optimizer_state.offloader import OptimizerStateOffloader
+
+__all__ = ["Place", "Staging", "places"]
 
 
 @dataclass(frozen=True)
@@ -55,3 +62,43 @@ def places(sizes: Sequence[int], capacity: int, buffers: int) -> list[Place]:
         found.append(Place(buffer, start, size, max(overlapped, default=None)))
         offset = end
     return found
+
+
+class Staging:
+    """One step's streamed chunks (those neither on the GPU nor coming back), in update order, through
+    ``buffers`` staging buffers as large as the largest of them; the owner of those buffers and of the copies
+    in started so far."""
+
+    def __init__(self, off: OptimizerStateOffloader, streamed: list[Chunk], buffers: int) -> None:
+        self.off = off
+        self.plan: Plan = off.plan
+        self.streamed = streamed
+        size = max((chunk.nbytes for chunk in streamed), default=0)
+        self.size = size
+        self.buffers = [off.new_block(size) for _ in range(min(buffers, len(streamed)))]
+        self.fresh = off.streams.mark()  # the buffers' memory may have been used by compute work still queued
+        self.places = places([chunk.nbytes for chunk in streamed], size, len(self.buffers))
+        self.leaving: list[Event] = []  # per chunk updated: its copy out's end (or a mark after its update)
+        self.brought = 0  # chunks whose copy in is queued
+        off.stats.bytes_streamed += sum(chunk.nbytes for chunk in streamed)
+
+    def left(self, done: Event | None) -> None:
+        """The next chunk has been updated and queued out (``done``: its copy out's end; None: it needed none),
+        then start what may come in now."""
+        # Without a copy out, its bytes are free once the update queued on the compute stream has run.
+        self.leaving.append(done if done is not None else self.off.streams.mark())
+        self.bring_in_due()
+
+    def bring_in_due(self) -> None:
+        """Queue, in order, the copies in of the chunks whose bytes no chunk still to leave holds."""
+        while self.brought < len(self.streamed):
+            chunk, at = self.streamed[self.brought], self.places[self.brought]
+            if at.reuses is not None and at.reuses >= len(self.leaving):
+                return  # its bytes are an earlier chunk's, not queued out yet: after that chunk's update
+            # On the device: the bytes may be written once the copy out that reads them has landed (queued
+            # already; or the update that last used them has run); fresh buffers once the compute stream's
+            # work queued before they were taken is done.
+            after = self.fresh if at.reuses is None else self.leaving[at.reuses]
+            buffer = self.buffers[at.buffer][at.offset : at.offset + at.size]
+            self.off.copies.start(self.off.queue_prefetch(chunk, buffer, after=after))
+            self.brought += 1

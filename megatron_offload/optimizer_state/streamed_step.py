@@ -20,19 +20,19 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from megatron_offload.core.streams import PREFETCH, Event
+from megatron_offload.core.streams import PREFETCH
 from megatron_offload.core.units import MIB
 from megatron_offload.optimizer_state import plan as planning
-from megatron_offload.optimizer_state import staging_ring
 from megatron_offload.optimizer_state.chunk_step import ChunkStepper
 from megatron_offload.optimizer_state.plan import Chunk
 from megatron_offload.optimizer_state.share_out import ShareOut, StepWindow
 from megatron_offload.optimizer_state.staged_params import STAGED_BUFFERS, staged_bytes
+from megatron_offload.optimizer_state.staging_ring import Staging
 
 if TYPE_CHECKING:
     from megatron_offload.optimizer_state.offloader import OptimizerStateOffloader
 
-__all__ = ["READY_GROUP_BYTES", "STAGING_CHUNKS", "footprint", "run", "staged_footprint"]
+__all__ = ["READY_GROUP_BYTES", "STAGING_CHUNKS", "begin_staging", "footprint", "run", "staged_footprint"]
 
 # Buffers the streamed step cycles through: one chunk coming in, one updated, one going out.
 STAGING_CHUNKS = 3
@@ -98,6 +98,21 @@ def _groups(chunks: list[Chunk], group_bytes: int) -> Iterator[list[Chunk]]:
         yield group
 
 
+def begin_staging(off: OptimizerStateOffloader, start: bool = True) -> Staging:
+    """Queue newly kept chunks back into blocks of their own, take the staging buffers for the rest (those
+    neither on the GPU nor coming back) and (``start``) start their copies in as far as the buffers allow.
+    Made by ``run``, or earlier, as the optimizer's step begins: the copies in then run beside megatron-core's
+    own work ahead of the update (gradient checks, norm, clipping), which touches no optimizer state."""
+    for chunk in off.chunks:
+        if chunk.kept and not chunk.on_gpu and chunk.copy is None:
+            off.queue_prefetch(chunk)  # newly kept: into a block of its own, not a staging buffer
+    streamed = [chunk for chunk in off.chunks if not (chunk.on_gpu or chunk.copy is not None)]
+    staging = Staging(off, streamed, STAGING_CHUNKS)
+    if start:
+        staging.bring_in_due()
+    return staging
+
+
 @torch.no_grad()
 def run(
     off: OptimizerStateOffloader,
@@ -106,6 +121,7 @@ def run(
     stage: Stage | None = None,
     forward_hides: int = 0,
     window: StepWindow | None = None,
+    staging: Staging | None = None,
 ) -> None:
     """Run the optimizer step chunk by chunk and leave the state leaving (kept chunks on the GPU).
     ``after_chunk(params)`` runs right after each chunk's update, while its state is on the GPU
@@ -113,7 +129,8 @@ def run(
     moments, at its first step) joins its chunk and leaves with it. Falls back to one whole step when
     the plan does not match the state (after a load replaced tensors). ``stage``: see the NOTE above.
     ``forward_hides``: bytes of the ready chunks' copies out left queued for the next forward (``ShareOut``);
-    ``window``: the step's time beside its ready chunks' copies out, learned here, bounding those started in it."""
+    ``window``: the step's time beside its ready chunks' copies out, learned here, bounding those started in it;
+    ``staging``: what ``begin_staging`` started as the optimizer's step began (made here otherwise)."""
     off.copies.pump()  # a failed copy is named here, before anything is updated
     off.check_gradients()
     stepper.begin()
@@ -137,15 +154,11 @@ def run(
         for chunk in chunks:
             chunk.touched = True
         return
-    for chunk in chunks:
-        if chunk.kept and not chunk.on_gpu and chunk.copy is None:
-            off.queue_prefetch(chunk)  # newly kept: into a block of its own, not a staging buffer
-    ready = [chunk for chunk in chunks if chunk.on_gpu or chunk.copy is not None]  # here, coming, or leaving
-    streamed = [chunk for chunk in chunks if not (chunk.on_gpu or chunk.copy is not None)]
-    size = max((c.nbytes for c in streamed), default=0)
-    staging = [off.new_block(size) for _ in range(min(STAGING_CHUNKS, len(streamed)))]
-    fresh = off.streams.mark()  # the staging memory may have been used by compute work still queued
-    off.stats.bytes_streamed += sum(chunk.nbytes for chunk in streamed)
+    if staging is None or staging.plan is not off.plan:
+        staging = begin_staging(off, start=False)  # started below, after the stage has been told the order
+    streamed = staging.streamed
+    coming_in = {id(chunk) for chunk in streamed}
+    ready = [c for c in chunks if (c.on_gpu or c.copy is not None) and id(c) not in coming_in]  # here or coming
 
     def update(group: list[Chunk]) -> bool:
         """Update the group's chunks; True when the optimizer made new state (its first step)."""
@@ -166,31 +179,12 @@ def run(
             off.count_plan()
         return any(added)
 
-    place = staging_ring.places([chunk.nbytes for chunk in streamed], size, len(staging))
-    leaving: list[Event] = []  # per streamed chunk updated: its copy out's end (or a mark after its update)
-    brought = 0  # streamed chunks whose copy in is queued
-
-    def bring_in_due() -> None:
-        """Queue, in order, the copies in of the streamed chunks whose bytes no chunk still to leave holds."""
-        nonlocal brought
-        while brought < len(streamed):
-            chunk, at = streamed[brought], place[brought]
-            if at.reuses is not None and at.reuses >= len(leaving):
-                return  # its bytes are an earlier chunk's, not queued out yet: after that chunk's update
-            # On the device: the bytes may be written once the copy out that reads them has landed (queued
-            # already; or the update that last used them has run); fresh staging once the compute stream's
-            # work queued before the step is done.
-            after = fresh if at.reuses is None else leaving[at.reuses]
-            buffer = staging[at.buffer][at.offset : at.offset + at.size]
-            off.copies.start(off.queue_prefetch(chunk, buffer, after=after))
-            brought += 1
-
     group_bytes = off.chunk_bytes if stage is not None else max(READY_GROUP_BYTES, off.chunk_bytes)
     ready_groups = list(_groups(ready, group_bytes))
     try:
         if stage is not None:  # the update order: the stage brings each group's params in ahead of it
             stage.begin([[p for c in group for p in c.params] for group in [*ready_groups, *([c] for c in streamed)]])
-        bring_in_due()
+        staging.bring_in_due()
         moving = sum(chunk.nbytes for chunk in ready if not chunk.kept)
         coming = off.copies.pending_bytes(PREFETCH)  # what came back late and the first streamed chunks
         streamed_bytes = sum(chunk.nbytes for chunk in streamed)
@@ -203,15 +197,13 @@ def run(
         for chunk in streamed:
             created = update([chunk])
             out = off.queue_offload(chunk, now=True)  # its bytes are needed again: out at once
-            # Without a copy out, its bytes are free once the update queued on the compute stream has run.
-            leaving.append(out.done if out is not None else off.streams.mark())
             beside.streamed_out(chunk)
-            excess = off.leaving_bytes - STAGING_CHUNKS * size
+            excess = off.leaving_bytes - STAGING_CHUNKS * staging.size
             if created and excess > 0:
                 # Adam's first step makes the moments in memory of their own, faster than they can leave:
                 # on the host, once, wait for the oldest to land, so that step holds a few chunks too.
                 off.copies.drain(excess)
-            bring_in_due()
+            staging.left(out.done if out is not None else None)
         off.state.adopted_all()  # the plan was current at the start and every new tensor joined its chunk
         if window is not None:
             window.close()

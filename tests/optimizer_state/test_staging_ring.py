@@ -123,3 +123,43 @@ def test_the_streamed_step_over_uneven_chunks_matches_the_plain_step() -> None:
     assert expected[:3] == [None] * 3 and any(expected)
     offloader.wait()
     assert_same_training_state(reference, optimizer)
+
+
+def uneven_pair():
+    torch.manual_seed(0)
+    reference, _ = adam_with_masters((2000, *[150] * 40))
+    torch.manual_seed(0)
+    optimizer, masters = adam_with_masters((2000, *[150] * 40))
+    streams = Dependencies()
+    offloader = offloader_for(optimizer, masters, chunk_bytes=2000, streams=streams)
+    offloader.offload()
+    offloader.copies.drain()  # landed: the chunks are in host memory, none still leaving
+    return reference, optimizer, offloader, streams
+
+
+@pytest.mark.parametrize("skipped", [None, 2])
+def test_copies_in_started_as_the_step_begins_serve_its_update(skipped: int | None) -> None:
+    """``begin_staging`` as megatron-core's step begins starts the first buffers' copies in; the update uses
+    them, each chunk coming in once. An update megatron-core skips (``skipped``: that step's) leaves the state
+    as it was: what came in leaves again with the rest."""
+    reference, optimizer, offloader, streams = uneven_pair()
+    stepper = ChunkStepper(optimizer)
+    for step in range(5):
+        set_grads(optimizer, step)
+        before = len(streams.copies)
+        staging = streamed_step.begin_staging(offloader)
+        early = [direction for direction, _ in streams.copies[before:]]
+        assert early and set(early) == {PREFETCH}
+        if step == skipped:
+            offloader.offload(now=False)  # as the step's wrapper does, however the step ended
+            offloader.copies.drain()
+            continue
+        set_grads(reference, step)
+        reference.step()
+        with offloader.params_on_device():
+            streamed_step.run(offloader, stepper, staging=staging)
+        offloader.copies.drain()
+        ins = [direction for direction, _ in streams.copies[before:] if direction == PREFETCH]
+        assert len(ins) == len(offloader.chunks)  # none came in twice
+    offloader.wait()
+    assert_same_training_state(reference, optimizer)
