@@ -180,7 +180,11 @@ def run(
         return any(added)
 
     group_bytes = off.chunk_bytes if stage is not None else max(READY_GROUP_BYTES, off.chunk_bytes)
-    ready_groups = list(_groups(ready, group_bytes))
+    # Kept chunks on the GPU first: their updates wait for no copy, and run while the others still come in.
+    # (Kept for the whole plan, so the groups, and the stepper's lists made once per group, stay the same.)
+    settled = [chunk for chunk in ready if chunk.kept and chunk.on_gpu and chunk.copy is None]
+    ready = settled + [chunk for chunk in ready if not (chunk.kept and chunk.on_gpu and chunk.copy is None)]
+    ready_groups = [*_groups(settled, group_bytes), *_groups(ready[len(settled) :], group_bytes)]
     try:
         if stage is not None:  # the update order: the stage brings each group's params in ahead of it
             stage.begin([[p for c in group for p in c.params] for group in [*ready_groups, *([c] for c in streamed)]])
