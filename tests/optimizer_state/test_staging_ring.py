@@ -93,8 +93,7 @@ class Done:
         self.landed = True
 
 
-def test_the_streamed_step_over_uneven_chunks_matches_the_plain_step() -> None:
-    """One parameter's state is many chunks' size: the step streams through the ring, bit for bit."""
+def uneven_pair():
     torch.manual_seed(0)
     reference, _ = adam_with_masters((2000, *[150] * 40))
     torch.manual_seed(0)
@@ -102,6 +101,13 @@ def test_the_streamed_step_over_uneven_chunks_matches_the_plain_step() -> None:
     streams = Dependencies()
     offloader = offloader_for(optimizer, masters, chunk_bytes=2000, streams=streams)
     offloader.offload()
+    offloader.copies.drain()  # landed: the chunks are in host memory, none still leaving
+    return reference, optimizer, offloader, streams
+
+
+def test_the_streamed_step_over_uneven_chunks_matches_the_plain_step() -> None:
+    """One parameter's state is many chunks' size: the step streams through the ring, bit for bit."""
+    reference, optimizer, offloader, streams = uneven_pair()
     stepper = ChunkStepper(optimizer)
     for step in range(4):
         set_grads(reference, step)
@@ -123,18 +129,6 @@ def test_the_streamed_step_over_uneven_chunks_matches_the_plain_step() -> None:
     assert expected[:3] == [None] * 3 and any(expected)
     offloader.wait()
     assert_same_training_state(reference, optimizer)
-
-
-def uneven_pair():
-    torch.manual_seed(0)
-    reference, _ = adam_with_masters((2000, *[150] * 40))
-    torch.manual_seed(0)
-    optimizer, masters = adam_with_masters((2000, *[150] * 40))
-    streams = Dependencies()
-    offloader = offloader_for(optimizer, masters, chunk_bytes=2000, streams=streams)
-    offloader.offload()
-    offloader.copies.drain()  # landed: the chunks are in host memory, none still leaving
-    return reference, optimizer, offloader, streams
 
 
 @pytest.mark.parametrize("skipped", [None, 2])
