@@ -18,7 +18,7 @@ from megatron_offload.core.stats import OffloadStats, totals
 from megatron_offload.megatron import finalize_prefetch
 from megatron_offload.megatron.backward_prefetch import PrefetchDuringBackward
 from megatron_offload.megatron.kept_decision import KeptDecision
-from megatron_offload.megatron.optimizer_internals import _HANDLE_ATTR
+from megatron_offload.megatron.optimizer_internals import _HANDLE_ATTR, _StreamedStep
 from megatron_offload.megatron.pacing import RoomForForward
 from megatron_offload.optimizer_state import streamed_step
 from megatron_offload.optimizer_state.offloader import OptimizerStateOffloader
@@ -49,7 +49,7 @@ class OffloadHandle:
         self._pacer: PrefetchDuringBackward | None = None
         self._room: RoomForForward | None = None
         self._wrapped: list[tuple[Any, str, Any]] = []  # (object, attribute, what was there before)
-        self.streamed_steps: list[Any] = []  # each DistributedOptimizer's step (optimizer_internals._StreamedStep)
+        self.streamed_steps: list[_StreamedStep] = []  # each DistributedOptimizer's streamed step
 
     @property
     def scheduler(self) -> StateScheduler:

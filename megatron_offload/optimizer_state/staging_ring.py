@@ -5,10 +5,10 @@ one parameter's state (an embedding's) makes a chunk many times the others': the
 next would then wait for that large chunk's copy out, the link's way in idle meanwhile. Here the chunks
 follow one another through the buffers as through a ring: each after the one before in the same buffer while
 it fits, else at the start of the next buffer, round robin. A chunk's copy in waits, on the device, for the
-copy out of the last earlier chunk whose bytes it takes over (copies out land in order: the earlier ones have
+copy out of the latest earlier chunk whose bytes it takes over (copies out land in order: the earlier ones have
 landed then); small chunks fill a buffer, so the copies in run up to two buffers ahead of the update.
-``Staging`` holds one step's buffers and starts those copies in as the chunks before them leave; it may be made
-as the optimizer's step begins, before megatron-core's own work ahead of the update (``streamed_step.begin_staging``).
+``Staging`` holds one step's buffers and starts those copies in as the chunks before them leave; it may be
+made as the optimizer's step begins, before megatron-core's work ahead of the update (``begin_staging``).
 """
 
 from __future__ import annotations
@@ -33,9 +33,8 @@ class Place:
     buffer: int
     offset: int
     size: int
-    reuses: (
-        int | None
-    )  # the latest earlier chunk whose bytes it overlaps (its copy out must have read them); None: none
+    # The latest earlier chunk whose bytes it overlaps (whose copy out must have read them); None: none.
+    reuses: int | None
 
 
 def places(sizes: Sequence[int], capacity: int, buffers: int) -> list[Place]:
@@ -73,11 +72,10 @@ class Staging:
         self.off = off
         self.plan: Plan = off.plan
         self.streamed = streamed
-        size = max((chunk.nbytes for chunk in streamed), default=0)
-        self.size = size
-        self.buffers = [off.new_block(size) for _ in range(min(buffers, len(streamed)))]
+        self.size = max((chunk.nbytes for chunk in streamed), default=0)
+        self.buffers = [off.new_block(self.size) for _ in range(min(buffers, len(streamed)))]
         self.fresh = off.streams.mark()  # the buffers' memory may have been used by compute work still queued
-        self.places = places([chunk.nbytes for chunk in streamed], size, len(self.buffers))
+        self.places = places([chunk.nbytes for chunk in streamed], self.size, len(self.buffers))
         self.leaving: list[Event] = []  # per chunk updated: its copy out's end (or a mark after its update)
         self.brought = 0  # chunks whose copy in is queued
         off.stats.bytes_streamed += sum(chunk.nbytes for chunk in streamed)
