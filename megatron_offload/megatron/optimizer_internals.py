@@ -157,9 +157,8 @@ class _StreamedStep:
         """As megatron-core's step begins: start the streamed chunks' copies in, to run beside its work ahead of
         the update. Not with a stage (its own copies are ordered with the update's), nor where the update will
         not stream (the plan does not match the state: the whole step then)."""
-        off = self.offloader
-        if self.stage is None and not off.plan.loose_masters and off.chunks and off.plan_is_current():
-            self.staging = streamed_step.begin_staging(off)
+        if self.stage is None:
+            self.staging = streamed_step.begin_staging(self.offloader)
 
     def drop_staging(self) -> None:
         """The step has ended (or megatron-core skipped the update): what was staged leaves with the rest."""

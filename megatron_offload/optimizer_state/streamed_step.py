@@ -98,19 +98,30 @@ def _groups(chunks: list[Chunk], group_bytes: int) -> Iterator[list[Chunk]]:
         yield group
 
 
-def begin_staging(off: OptimizerStateOffloader, start: bool = True) -> Staging:
-    """Queue newly kept chunks back into blocks of their own, take the staging buffers for the rest (those
-    neither on the GPU nor coming back) and (``start``) start their copies in as far as the buffers allow.
-    Made by ``run``, or earlier, as the optimizer's step begins: the copies in then run beside megatron-core's
-    own work ahead of the update (gradient checks, norm, clipping), which touches no optimizer state."""
+def _can_stream(off: OptimizerStateOffloader) -> bool:
+    """The plan is the state's (one walk over it), so the step can stream; else it is one whole step."""
+    return not off.plan.loose_masters and bool(off.chunks) and off.plan_is_current()
+
+
+def begin_staging(off: OptimizerStateOffloader) -> Staging | None:
+    """As the optimizer's step begins, where the step will stream: ``_take_staging`` and start the copies in as
+    far as the buffers allow, to run beside megatron-core's own work ahead of the update (gradient checks, norm,
+    clipping), which touches no optimizer state. ``run`` takes it over; None where the step will not stream."""
+    if not _can_stream(off):
+        return None
+    staging = _take_staging(off)
+    staging.bring_in_due()
+    return staging
+
+
+def _take_staging(off: OptimizerStateOffloader) -> Staging:
+    """Queue newly kept chunks back into blocks of their own and take the staging buffers for the rest (those
+    neither on the GPU nor coming back)."""
     for chunk in off.chunks:
         if chunk.kept and not chunk.on_gpu and chunk.copy is None:
             off.queue_prefetch(chunk)  # newly kept: into a block of its own, not a staging buffer
     streamed = [chunk for chunk in off.chunks if not (chunk.on_gpu or chunk.copy is not None)]
-    staging = Staging(off, streamed, STAGING_CHUNKS)
-    if start:
-        staging.bring_in_due()
-    return staging
+    return Staging(off, streamed, STAGING_CHUNKS)
 
 
 @torch.no_grad()
@@ -136,7 +147,8 @@ def run(
     stepper.begin()
     if stepper.plan is not off.plan:
         stepper.forget(off.plan)
-    if off.plan.loose_masters or not off.chunks or not off.plan_is_current():
+    begun = staging is not None and staging.plan is off.plan  # the plan was checked as the step began
+    if not begun and not _can_stream(off):
         try:
             off.wait()
             params = planning.all_params(off.optimizer)
@@ -154,8 +166,8 @@ def run(
         for chunk in chunks:
             chunk.touched = True
         return
-    if staging is None or staging.plan is not off.plan:
-        staging = begin_staging(off, start=False)  # started below, after the stage has been told the order
+    if staging is None or not begun:
+        staging = _take_staging(off)  # its copies start below, after the stage has been told the order
     streamed = staging.streamed
     coming_in = {id(chunk) for chunk in streamed}
     ready = [c for c in chunks if (c.on_gpu or c.copy is not None) and id(c) not in coming_in]  # here or coming
