@@ -71,7 +71,7 @@ def offloader_run(state_gb: float, prefetch: str, small: torch.Tensor, repeats: 
         if prefetch == "finalize":
             offloader.prefetch()
             offloader.copies.flush()  # as the finalize hook does: every copy back starts at once
-        with offloader.params_on_device():  # offloaded masters look like GPU tensors: grads can be assigned
+        with offloader.device_view.params_on_device():  # offloaded masters look like GPU tensors: grads can be assigned
             for master in masters:
                 master.grad = torch.randn(master.shape, device="cuda")
             streamed_step.run(offloader, stepper)

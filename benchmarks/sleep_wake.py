@@ -37,7 +37,7 @@ import torch  # noqa: E402
 from benchmarks import gpt_training as harness  # noqa: E402
 from megatron_offload import MegatronSleeper, sleep_wake_for  # noqa: E402
 from megatron_offload.core.host_memory import HostSlab  # noqa: E402
-from megatron_offload.sleep.sleeper import SleepReport  # noqa: E402
+from megatron_offload.sleep.report import SleepReport  # noqa: E402
 
 GB, GIB = 1e9, 2**30
 # configs/gpt_0p9b.yaml: 20 layers, hidden 1792, ffn 7168, 14 heads, seq 2048, vocab 50257 padded to

@@ -6,7 +6,8 @@ streaming, every transformer layer's weights and gradients live in host memory t
 a few GPU slots, layer by layer.
 """
 
-from megatron_offload.config.flags import add_offload_args, config_from_args, validate_offload_args
+from megatron_offload.config.flag_checks import validate_offload_args
+from megatron_offload.config.flags import add_offload_args, config_from_args
 from megatron_offload.config.options import OffloadConfig, PrefetchPolicy
 from megatron_offload.core.host_memory import HostMemoryError
 from megatron_offload.core.stats import OffloadStats
@@ -18,7 +19,7 @@ from megatron_offload.megatron.optimizer_adapter import (
 )
 from megatron_offload.megatron.sleep_hooks import MegatronSleeper, install_rl_sleep_hooks, sleep_wake_for
 from megatron_offload.optimizer_state.offloader import OffloadCopyError, OptimizerStateOffloader
-from megatron_offload.sleep.sleeper import SleepError, SleepReport
+from megatron_offload.sleep.report import SleepError, SleepReport
 
 __version__ = "0.1.0"
 

@@ -20,7 +20,8 @@ from typing import NoReturn
 import torch
 
 from megatron_offload.config.files import NO_CUDA, add_switch_inverses, expand_config_argv, parse_error
-from megatron_offload.config.flags import UPSTREAM_FLAG, add_offload_args, check_offload_combinations
+from megatron_offload.config.flag_checks import check_offload_combinations
+from megatron_offload.config.flags import UPSTREAM_FLAG, add_offload_args
 from megatron_offload.megatron.optimizer_adapter import OffloadFitError
 from megatron_offload.megatron.out_of_memory import line_for
 from megatron_offload.megatron.training_hooks import (

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from megatron_offload.config.files import add_switch_inverses
-from megatron_offload.config.flags import add_offload_args, check_offload_combinations, offload_requested
+from megatron_offload.config.flag_checks import check_offload_combinations
+from megatron_offload.config.flags import add_offload_args, offload_requested
 from megatron_offload.megatron import training_hooks
 
 UPSTREAM_WARNING = "optimizer state offload is enabled with chunk size 0"

@@ -1,4 +1,5 @@
-"""Command-line flags for Megatron-style scripts, and the rules on combining them with Megatron's own.
+"""Command-line flags for Megatron-style scripts, and reading them into an ``OffloadConfig``. Which of their
+combinations with Megatron's own flags are refused is flag_checks.py's.
 
 ``add_offload_args`` has the signature Megatron-LM expects of ``pretrain(extra_args_provider=...)``.
 
@@ -8,7 +9,7 @@ Megatron-LM's ``dev`` branch defines ``--offload-optimizer-states`` itself, as a
 a parser ``add_offload_args`` takes the option string over: ours parses it into ``OWN_DEST`` and
 Megatron's dest keeps its default, False, so that one flag never switches on two offloaders. Megatron's
 offloader is then asked for by its own flag, ``--chunked-optimizer-state-offload``. ``offload_requested``
-reads the switch either way.
+reads the switch either way, and ``which_offloader`` words the log line saying which of the two runs.
 """
 
 from __future__ import annotations
@@ -16,23 +17,22 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from megatron_offload.config.long_context_flags import add_long_context_args, check_long_context_flags
+from megatron_offload.config.long_context_flags import add_long_context_args
 from megatron_offload.config.options import AUTO, OffloadConfig, PrefetchPolicy, SettingError
-from megatron_offload.config.weight_flags import add_weight_args, check_weight_flags
+from megatron_offload.config.weight_flags import add_weight_args
 
 __all__ = [
+    "DEFAULTS",
     "GROUP_TITLE",
     "OWN_DEST",
     "UPSTREAM_FLAG",
     "add_offload_args",
-    "check_offload_combinations",
     "config_from_args",
     "has_offload_args",
-    "ignored_offload_flags",
     "offload_fraction",
     "offload_requested",
     "upstream_defines_the_flag",
-    "validate_offload_args",
+    "which_offloader",
 ]
 
 DEFAULTS = OffloadConfig()  # the flags' defaults are the config's, stated once
@@ -68,6 +68,21 @@ def offload_requested(args: argparse.Namespace) -> bool:
 def upstream_defines_the_flag(args: argparse.Namespace) -> bool:
     """Whether the parser behind ``args`` was one whose Megatron-LM defines ``--offload-optimizer-states``."""
     return hasattr(args, OWN_DEST)
+
+
+def which_offloader(args: argparse.Namespace) -> str | None:
+    """The log line naming the offloader that runs, where Megatron-LM defines --offload-optimizer-states
+    too (so that a reader of the log knows which of the two the flag switched on); None elsewhere."""
+    if not upstream_defines_the_flag(args):
+        return None
+    if offload_requested(args):
+        return (
+            "megatron-offload: --offload-optimizer-states runs megatron-offload's offloader; Megatron-LM's own "
+            f"(which this Megatron-LM also names --offload-optimizer-states) stays off: {UPSTREAM_FLAG} asks for it"
+        )
+    if getattr(args, "chunked_optimizer_state_offload", False):
+        return f"megatron-offload: {UPSTREAM_FLAG} runs Megatron-LM's own offloader; megatron-offload's is off"
+    return None
 
 
 def _take_over_upstream_flag(parser: argparse.ArgumentParser) -> bool:
@@ -180,106 +195,9 @@ def add_offload_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     return parser
 
 
-def check_offload_combinations(args: argparse.Namespace) -> None:
-    """Raise ValueError for an offload value out of range (offloading on or off) or a flag that
-    --offload-optimizer-states cannot be combined with.
-
-    Reads only flags as the user gave them, none that Megatron derives, so it can run before Megatron's
-    own validation: its assertions (such as --optimizer-cpu-offload's) would otherwise send the user the
-    wrong way, and its argument dump would bury the message.
-    """
-    config_from_args(args)  # every offload value in range (the cap too), with the messages the Python API gives
-    check_weight_flags(args, offload_requested(args))
-    check_long_context_flags(args)
-    if not offload_requested(args):
-        return
-    if getattr(args, "chunked_optimizer_state_offload", False) and getattr(
-        args, "optimizer_state_offload_fraction", 1.0
-    ):
-        raise ValueError(
-            f"--offload-optimizer-states cannot be combined with {UPSTREAM_FLAG}: both offload the same "
-            "optimizer state, megatron-offload's offloader and Megatron-LM's own. Keep one: "
-            f"--offload-optimizer-states for megatron-offload's, {UPSTREAM_FLAG} for Megatron-LM's."
-        )
-    if getattr(args, "optimizer_cpu_offload", False):
-        raise ValueError(
-            "--offload-optimizer-states cannot be combined with --optimizer-cpu-offload. "
-            "--optimizer-cpu-offload (megatron-core's HybridDeviceOptimizer) moves the Adam update itself "
-            "to the CPU; --offload-optimizer-states keeps the update on the GPU and only parks the state in "
-            "host memory between steps. Both would own the same state: pick one (usually "
-            "--offload-optimizer-states, which is much faster) and remove the other."
-        )
-    optimizer = getattr(args, "optimizer", "adam")
-    if optimizer != "adam":
-        raise ValueError(
-            f"--offload-optimizer-states supports --optimizer adam only, got --optimizer {optimizer}. "
-            "Use --optimizer adam or drop --offload-optimizer-states."
-        )
-    if getattr(args, "async_save", False):
-        raise ValueError(
-            "--offload-optimizer-states cannot be combined with --async-save: a checkpoint save reads the "
-            "offloaded state straight from its host buffers, which the next step overwrites while an "
-            "asynchronous save may still be writing them. Drop --async-save (saves are then synchronous)."
-        )
-    for flag in ("use_megatron_fsdp", "use_custom_fsdp", "use_torch_fsdp2", "optimizer_cuda_graph"):
-        if getattr(args, flag, False):
-            name = "--" + flag.replace("_", "-")
-            why = (
-                "the optimizer step is captured in a CUDA graph, whose memory addresses must not change"
-                if flag == "optimizer_cuda_graph"
-                else "FSDP shards and manages the optimizer state itself, outside DistributedOptimizer"
-            )
-            raise ValueError(
-                f"--offload-optimizer-states cannot be combined with {name}: {why}. Remove one of the two."
-            )
-    # Megatron turns --use-distributed-optimizer on by itself only with Megatron-FSDP, refused above; it
-    # may turn it off (--freeze-all-layers), which validate_offload_args checks after Megatron's validation.
-    _require_distributed_optimizer(args)
-
-
-def _require_distributed_optimizer(args: argparse.Namespace) -> None:
-    if offload_requested(args) and not getattr(args, "use_distributed_optimizer", False):
-        raise ValueError(
-            "--offload-optimizer-states needs --use-distributed-optimizer: it offloads the state of "
-            "megatron-core's DistributedOptimizer. Add --use-distributed-optimizer."
-        )
-
-
-def validate_offload_args(args: argparse.Namespace) -> None:
-    """Raise ValueError, naming the flags and what to do, if the offload flags are out of range or
-    combined with flags they cannot work with.
-
-    Reads Megatron-LM's argument names; a name absent from ``args`` counts as its default. Runs inside
-    Megatron's argument validation, so bad values fail before anything is built.
-    """
-    check_offload_combinations(args)
-    _require_distributed_optimizer(args)  # again: Megatron's validation may have turned it off
-    check_weight_flags(args, offload_requested(args), derived=True)
-
-
-def ignored_offload_flags(args: argparse.Namespace) -> list[str]:
-    """The offload flags given a value other than their default while offloading is off: they do
-    nothing then, which the user may not expect (the GPU memory cap works either way)."""
-    if offload_requested(args):
-        return []
-    defaults = {
-        "offload_master_weights": DEFAULTS.offload_master_weights,
-        "offload_prefetch": DEFAULTS.prefetch.value,
-        "offload_chunk_mb": DEFAULTS.chunk_mb,
-        "offload_fraction": DEFAULTS.fraction,
-        "offload_host_memory_check": DEFAULTS.check_host_memory,
-    }
-    flags = []
-    for name, default in defaults.items():
-        if getattr(args, name, default) != default:
-            flag = name.replace("_", "-")
-            flags.append(f"--no-{flag}" if default is True else f"--{flag}")
-    return flags
-
-
 def config_from_args(args: argparse.Namespace) -> OffloadConfig:
-    """The OffloadConfig the flags describe (call ``validate_offload_args`` first); a value out of range is
-    a ValueError naming its flag."""
+    """The OffloadConfig the flags describe (call flag_checks.py's ``validate_offload_args`` first); a value
+    out of range is a ValueError naming its flag."""
     try:
         return OffloadConfig(
             # Streamed weights build the fp32 masters in host memory already: nothing to move.

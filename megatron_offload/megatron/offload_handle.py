@@ -1,6 +1,6 @@
 """The handle ``attach_offloader`` returns: the offloaders of a megatron-core optimizer, what the training
 loop's hooks call (pacing.Handle), the kept-bytes decision it composes (kept_decision.py), the wrapper
-around the optimizer's step, telemetry and ``detach()``.
+around the optimizer's step, telemetry and ``detach()``, which undoes what it put in place (wrappers.py).
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ from megatron_offload.core.stats import OffloadStats, totals
 from megatron_offload.megatron import finalize_prefetch
 from megatron_offload.megatron.backward_prefetch import PrefetchDuringBackward
 from megatron_offload.megatron.kept_decision import KeptDecision
-from megatron_offload.megatron.optimizer_internals import _HANDLE_ATTR, _StreamedStep
+from megatron_offload.megatron.optimizer_internals import _HANDLE_ATTR
 from megatron_offload.megatron.pacing import RoomForForward
+from megatron_offload.megatron.streamed_step_internals import _StreamedStep
+from megatron_offload.megatron.wrappers import Wrappers
 from megatron_offload.optimizer_state import streamed_step
 from megatron_offload.optimizer_state.offloader import OptimizerStateOffloader
 from megatron_offload.optimizer_state.scheduler import StateScheduler
@@ -48,7 +50,7 @@ class OffloadHandle:
         self.brought_at_step = 0  # bytes started back as this iteration's step began (bring_back_for_step)
         self._pacer: PrefetchDuringBackward | None = None
         self._room: RoomForForward | None = None
-        self._wrapped: list[tuple[Any, str, Any]] = []  # (object, attribute, what was there before)
+        self.wrappers = Wrappers(config.prefetch is PrefetchPolicy.FINALIZE)  # undone at detach
         self.streamed_steps: list[_StreamedStep] = []  # each DistributedOptimizer's streamed step
 
     @property
@@ -121,11 +123,9 @@ class OffloadHandle:
         return max((streamed_step.footprint(offloader) for offloader in self.offloaders), default=0)
 
     def left_to_forward(self) -> int:
-        """Bytes of the early chunks' copies out the steps leave queued for the next forward's hooks, all
-        offloaders together: what the link carries in half the first forward (its activations grow from its
-        start, so the copies have about half of it). Started within the step instead, they hold the host at
-        megatron-core's first ``.item()`` after it: one copy engine serves the device-to-host copies in
-        order, a 4-byte read behind gigabytes. 0 until a forward and the copies out were timed."""
+        """Bytes of the early chunks' copies out the steps leave queued for the next forward's hooks (why not
+        within the step: share_out.py), all offloaders together: what the link carries in half the first forward
+        (its activations grow from its start, so the copies have about half of it); 0 until that was timed."""
         ms = self._room.first_forward_ms if self._room is not None else None
         return int(self.link_out() * ms / 1000 / 2) if ms else 0
 
@@ -188,8 +188,7 @@ class OffloadHandle:
             self.drain_offloads(self.step_backlog_bytes - budget)
 
     def smallest_footprint_note(self, peak_reserved: int, asked: int) -> str | None:
-        """What training needs without the state against the limit, where none was on the GPU when memory
-        ran out; else None (KeptDecision.smallest_footprint_note)."""
+        """KeptDecision.smallest_footprint_note, over this handle's offloaders."""
         return self.decision.smallest_footprint_note(self.offloaders, peak_reserved, asked)
 
     def read_stats(self) -> OffloadStats:
@@ -202,14 +201,7 @@ class OffloadHandle:
 
     def detach(self) -> None:
         """Bring all state back to the GPU and undo every wrapper. Safe to call twice."""
-        for obj, name, before in reversed(self._wrapped):
-            if name == "finalize_model_grads_func":
-                finalize_prefetch.unwrap_finalize_function(obj)
-            elif before is None:
-                vars(obj).pop(name, None)
-            else:
-                setattr(obj, name, before)
-        self._wrapped.clear()
+        self.wrappers.undo()
         for hooks in (self._pacer, self._room):
             if hooks is not None:
                 hooks.remove()
@@ -222,18 +214,6 @@ class OffloadHandle:
             delattr(self.optimizer, _HANDLE_ATTR)
 
     # ---------------------------------------------------------------------------------- wiring
-    def _wrap_method(self, obj: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-        before = vars(obj).get(name)
-        setattr(obj, name, make(getattr(obj, name)))
-        self._wrapped.append((obj, name, before))
-
-    def _install_finalize_hooks(self) -> None:
-        """(Re)wrap each model config's finalize function (finalize_prefetch.py), after every step too."""
-        if self.config.prefetch is PrefetchPolicy.FINALIZE:
-            for config in finalize_prefetch.wrap_finalize_functions(self):
-                if not any(obj is config for obj, _, _ in self._wrapped):
-                    self._wrapped.append((config, "finalize_model_grads_func", None))
-
     def _step_wrapper(self, step: Callable[..., Any]) -> Callable[..., Any]:
         def step_with_offload(*args: Any, **kwargs: Any) -> Any:
             if self.in_step:
@@ -247,7 +227,7 @@ class OffloadHandle:
                 else:
                     with contextlib.ExitStack() as stack:
                         for offloader in self.offloaders:
-                            stack.enter_context(offloader.params_on_device())
+                            stack.enter_context(offloader.device_view.params_on_device())
                         result = step(*args, **kwargs)
                 stepped = True
                 return result
@@ -260,7 +240,7 @@ class OffloadHandle:
                     offloader.offload(now=False)
                     offloader.copies.pump()
                 self._after_step(stepped)
-                self._install_finalize_hooks()
+                self.wrappers.wrap_finalize_functions(self)
                 for hooks in (self._pacer, self._room):
                     if hooks is not None:
                         hooks.new_iteration()

@@ -2,7 +2,7 @@
 wrappers around its step and state access, and the handle (offload_handle.py) the training loop's hooks call.
 
 Every reach into megatron-core's internals it uses is in optimizer_internals.py, with the versions it
-was checked against.
+was checked against, and streamed_step_internals.py (the streamed step's).
 """
 
 from __future__ import annotations
@@ -32,11 +32,10 @@ from megatron_offload.megatron.optimizer_internals import (
     _in_last_microbatch,
     _master_weights,
     _save_from_host,
-    _streamed_step_supported,
-    _StreamedStep,
     distributed_optimizers,
 )
 from megatron_offload.megatron.pacing import RoomForForward
+from megatron_offload.megatron.streamed_step_internals import _streamed_step_supported, _StreamedStep
 from megatron_offload.optimizer_state.offloader import OptimizerStateOffloader
 
 logger = logging.getLogger(__name__)
@@ -94,18 +93,18 @@ def attach_offloader(optimizer: Any, config: OffloadConfig | None = None, **over
             for name in (*waiting, *STATE_ACCESS_METHODS):
                 if hasattr(dist_opt, name):
                     loads = name.startswith("load")
-                    handle._wrap_method(dist_opt, name, lambda inner, o=offloader, r=loads: _after_wait(inner, o, r))
-            handle._wrap_method(dist_opt, "sharded_state_dict", lambda inner, o=offloader: _save_from_host(inner, o))
+                    handle.wrappers.wrap(dist_opt, name, lambda inner, o=offloader, r=loads: _after_wait(inner, o, r))
+            handle.wrappers.wrap(dist_opt, "sharded_state_dict", lambda inner, o=offloader: _save_from_host(inner, o))
             if handle.streamed:
                 streamed = _StreamedStep(
                     dist_opt, offloader, handle._on_step_start, handle.forward_hides, handle.link_out
                 )
                 handle.streamed_steps.append(streamed)
-                handle._wrap_method(dist_opt.optimizer, "step", lambda _inner, s=streamed: s.step)
+                handle.wrappers.wrap(dist_opt.optimizer, "step", lambda _inner, s=streamed: s.step)
                 copy_name = "_copy_main_params_to_model_params"
-                handle._wrap_method(dist_opt, copy_name, lambda _inner, s=streamed: s.copy_main_params_to_model_params)
-        handle._wrap_method(optimizer, "step", handle._step_wrapper)
-        handle._install_finalize_hooks()
+                handle.wrappers.wrap(dist_opt, copy_name, lambda _inner, s=streamed: s.copy_main_params_to_model_params)
+        handle.wrappers.wrap(optimizer, "step", handle._step_wrapper)
+        handle.wrappers.wrap_finalize_functions(handle)
         model_chunks = list({id(chunk): chunk for dist_opt in dist_opts for chunk in dist_opt.model_chunks}.values())
         if config.prefetch is PrefetchPolicy.AUTO:
             handle._pacer = PrefetchDuringBackward(handle, model_chunks, lambda: _in_last_microbatch(model_chunks))

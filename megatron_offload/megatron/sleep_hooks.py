@@ -1,4 +1,5 @@
-"""Sleep and wake for megatron-core training: every touch of megatron-core internals it needs.
+"""Sleep and wake for megatron-core training: every touch of megatron-core internals it needs, but for
+the DDP chunks' bucket groups and the guards a sleep puts on them (ddp_chunks.py).
 
 This module may import megatron_adapter (the offloading side); megatron_adapter never imports this one.
 Of an attached handle it reads ``offloaders`` and ``in_step`` only.
@@ -9,8 +10,6 @@ Checked against megatron-core 0.16.1 and 0.19.2. What we rely on:
   ``param.data``, ``param.main_grad`` and the bucket views look into. Freeing its storage with
   ``untyped_storage().resize_(0)`` keeps those views valid (megatron-core's own ``offload_grad_buffers``
   does the same); growing it back and copying the bytes makes them see the same values again.
-- DDP ``bucket_groups`` / ``expert_parallel_bucket_groups`` with ``grad_reduce_handle`` and
-  ``param_gather_handle``: not None while a collective on the buffers is in flight.
 - ChainedOptimizer's ``chained_optimizers``, DistributedOptimizer's ``.optimizer`` (inner Adam),
   ``.model_chunks`` and ``shard_fp32_from_float16_groups`` (through megatron_adapter).
 - Megatron-LM's RL loop (``--rl-offload-optimizer-during-inference``) calls ``optimizer.offload_to_cpu()``
@@ -26,13 +25,13 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-
 from megatron_offload.config.flags import offload_requested
 from megatron_offload.core.gpu_memory import expandable_segments_from_now
+from megatron_offload.megatron.ddp_chunks import Unset, ddp_buffers, in_flight, refuse_forward, refuse_zero_grad
 from megatron_offload.megatron.optimizer_internals import _HANDLE_ATTR, _master_weights, distributed_optimizers
 from megatron_offload.optimizer_state.offloader import OptimizerStateOffloader
-from megatron_offload.sleep.sleeper import DEFAULT_CHUNK_BYTES, Sleeper, SleepError, SleepReport
+from megatron_offload.sleep.report import SleepError, SleepReport
+from megatron_offload.sleep.sleeper import DEFAULT_CHUNK_BYTES, Sleeper
 
 logger = logging.getLogger(__name__)
 
@@ -40,27 +39,6 @@ __all__ = ["MegatronSleeper", "install_rl_sleep_hooks", "route_rl_offload_throug
 
 _SLEEPER_ATTR = "_megatron_offload_sleeper"
 OPTIMIZER, GRADS, PARAMS = "optimizer", "grads", "params"
-
-
-def _ddp_buffers(model_chunks: Sequence[Any]) -> list[Any]:
-    """The _ParamAndGradBuffers of DDP chunks (a plain module's ``buffers`` is a method: not ours)."""
-    found = []
-    for chunk in model_chunks:
-        for name in ("buffers", "expert_parallel_buffers"):
-            value = vars(chunk).get(name, [])
-            found += value if isinstance(value, list) else []
-    return found
-
-
-def _in_flight(model_chunks: Sequence[Any]) -> str | None:
-    """Why the buffers are in use right now (a collective in flight), or None."""
-    for chunk in model_chunks:
-        for group in getattr(chunk, "bucket_groups", []) + getattr(chunk, "expert_parallel_bucket_groups", []):
-            if getattr(group, "grad_reduce_handle", None) is not None:
-                return "while a gradient reduce-scatter is in flight"
-            if getattr(group, "param_gather_handle", None) is not None:
-                return "while a parameter all-gather is in flight"
-    return None
 
 
 class MegatronSleeper:
@@ -86,7 +64,7 @@ class MegatronSleeper:
                 )
                 for d in distributed_optimizers(optimizer)
             ]
-        buffers = _ddp_buffers(self.model_chunks)
+        buffers = ddp_buffers(self.model_chunks)
         grads = [b.grad_data for b in buffers if b.grad_data is not None]
         grad_storages = {g.untyped_storage().data_ptr() for g in grads}
         # A param buffer that shares the grad buffer's storage (MXFP8) moves with the grads.
@@ -118,7 +96,7 @@ class MegatronSleeper:
     def _busy(self) -> str | None:
         if self._stepping or getattr(self.handle, "in_step", False):
             return "in the middle of optimizer.step()"
-        return _in_flight(self.model_chunks)
+        return in_flight(self.model_chunks)
 
     def _guarded(self, step: Callable[..., Any]) -> Callable[..., Any]:
         def step_when_awake(*args: Any, **kwargs: Any) -> Any:
@@ -157,11 +135,11 @@ class MegatronSleeper:
         report = self.sleeper.sleep(parts)
         # Code that would touch freed memory fails with a sentence instead of a device fault.
         if params:
-            self._guards += [c.register_forward_pre_hook(_refuse_forward) for c in self.model_chunks]
+            self._guards += [c.register_forward_pre_hook(refuse_forward) for c in self.model_chunks]
         if grads or params:
             for chunk in self.model_chunks:  # the first thing a training step does (writes the grad buffer)
-                chunk.zero_grad_buffer = _refuse_zero_grad
-                self._guards.append(_Unset(chunk, "zero_grad_buffer"))
+                chunk.zero_grad_buffer = refuse_zero_grad
+                self._guards.append(Unset(chunk, "zero_grad_buffer"))
         logger.info("megatron-offload: asleep (%s): %s", ", ".join(parts), report.describe())
         return report
 
@@ -184,24 +162,6 @@ class MegatronSleeper:
         else:
             vars(self.optimizer).pop("step", None)
         vars(self.optimizer).pop(_SLEEPER_ATTR, None)
-
-
-def _refuse_forward(module: torch.nn.Module, args: Any) -> None:
-    raise SleepError("the model's parameters are asleep: call wake() before running the training model")
-
-
-def _refuse_zero_grad(*args: Any, **kwargs: Any) -> None:
-    raise SleepError("the gradient buffers are asleep: call wake() before the next training step")
-
-
-class _Unset:
-    """Removes an instance attribute we set, uncovering the class's method again."""
-
-    def __init__(self, obj: Any, name: str) -> None:
-        self.obj, self.name = obj, name
-
-    def remove(self) -> None:
-        vars(self.obj).pop(self.name, None)
 
 
 def sleep_wake_for(

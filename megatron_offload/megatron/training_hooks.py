@@ -12,7 +12,9 @@ original:
   the log says which one runs;
 - ``arguments.validate_args``: without a CUDA GPU, one line and exit; our checks of the flags as given run
   before Megatron's own (whose assertions would send the user the wrong way, and whose argument dump
-  would bury our message), the rest after it; a refusal is one line, not a traceback;
+  would bury our message), the rest after it (config/flag_checks.py); a refusal is one line, not a
+  traceback (one_line.py); then a node whose host memory cannot hold what the run will pin
+  (host_sizing.py) stops, before the model is built;
 - ``training.get_megatron_optimizer``: the offloader is attached to the optimizer Megatron builds,
   when ``--offload-optimizer-states`` is given; with torch Adam (no TransformerEngine or apex), with
   or without offloading, megatron-core's resume bugs are worked around (``fix_torch_adam_checkpoints``);
@@ -35,40 +37,37 @@ run from a wheel exits there. When the prebuilt module imports, that compile ste
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import os
-import sys
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
-from megatron_offload.config.files import NO_CUDA, add_switch_inverses, missing_training_message, parse_error
+from megatron_offload.config.files import NO_CUDA, add_switch_inverses, missing_training_message
+from megatron_offload.config.flag_checks import check_offload_combinations, ignored_offload_flags, validate_offload_args
 from megatron_offload.config.flags import (
-    UPSTREAM_FLAG,
     add_offload_args,
-    check_offload_combinations,
     config_from_args,
     has_offload_args,
-    ignored_offload_flags,
     offload_requested,
-    upstream_defines_the_flag,
-    validate_offload_args,
+    which_offloader,
 )
 from megatron_offload.config.long_context_flags import layer_input_bytes_per_rank, long_context_config_from_args
 from megatron_offload.config.weight_flags import weight_config_from_args
 from megatron_offload.core.gpu_memory import apply_memory_cap, gpu_only, use_expandable_segments_by_default
 from megatron_offload.core.host_memory import HostMemoryError, check_host_room
 from megatron_offload.megatron.adam_resume import fix_torch_adam_checkpoints
+from megatron_offload.megatron.host_sizing import host_bytes_per_rank, wants_host_memory
 from megatron_offload.megatron.long_context_adapter import CHUNKED_LOSS_NEEDS, supports_output_processor
 from megatron_offload.megatron.long_context_training import attach_long_context, layer_input_log_fields
 from megatron_offload.megatron.long_context_training import describe as describe_long_context
+from megatron_offload.megatron.one_line import one_line_errors, print_once, refuse_bad_flags, stop
 from megatron_offload.megatron.optimizer_adapter import OffloadHandle, attach_offloader
 from megatron_offload.megatron.report import MemoryReading, format_offload_fields
 from megatron_offload.megatron.sleep_hooks import install_rl_sleep_hooks
 from megatron_offload.megatron.training_run import RUN_ATTR, TrainingRun, current_run
-from megatron_offload.megatron.weights_training import BYTES_PER_PARAM, install_weight_hooks
+from megatron_offload.megatron.weights_training import install_weight_hooks
 
 __all__ = ["MissingMegatronTraining", "attached_handles", "install_training_hooks", "parsed_megatron_args"]
 
@@ -91,62 +90,6 @@ def _import_megatron_training() -> tuple[Any, Any, Any]:
     return arguments, global_vars, training
 
 
-def _print_once(message: str) -> None:
-    """Print on the first rank only (before torch.distributed exists, torchrun's RANK tells)."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(message, flush=True)
-
-
-def _stop(message: str) -> NoReturn:
-    """End the run with one line on stderr (from the first rank; every rank exits)."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(message, file=sys.stderr, flush=True)
-    raise SystemExit(2)
-
-
-def state_bytes_per_rank(args: argparse.Namespace) -> int | None:
-    """Host bytes the offloaded state will take on this rank (its most loaded shard), from Megatron's own
-    parameter count (``theoretical_memory_usage``), which charges a parameter 6 + 12/DP bytes with the
-    distributed optimizer; None where it cannot count this model (the engine checks exactly at attach).
-
-    NOTE: this runs in argument validation, before Megatron builds the tokenizer, which is what sets
-    ``padded_vocab_size`` (megatron.core.tokenizers.utils.build_tokenizer); Megatron's count needs it. The
-    count is made on a copy of ``args`` with the vocabulary padded as Megatron will pad ``--vocab-size``
-    (``vocab_size_with_padding``), or, where the size comes from a tokenizer file, with no embedding at all:
-    a lower bound, so the check refuses only a node that is short for certain."""
-    try:
-        from megatron.training.theoretical_memory_usage import compute_weight_and_optimizer_memory
-
-        counted = copy.copy(args)  # Megatron's count sets fields on what it is given
-        if getattr(counted, "padded_vocab_size", None) is None:
-            counted.padded_vocab_size = _padded_vocab_size(args)
-        data_parallel = args.data_parallel_size
-        params = compute_weight_and_optimizer_memory(counted) / (6 + 12 / data_parallel)
-    except Exception:  # an estimate: a model it cannot count is checked exactly at attach instead
-        return None
-    return int(params * (12 if getattr(args, "offload_master_weights", True) else 8) / data_parallel)
-
-
-def _padded_vocab_size(args: argparse.Namespace) -> int:
-    """``--vocab-size`` padded as Megatron pads it (a multiple of ``make_vocab_size_divisible_by`` times the
-    tensor-parallel size); 0 where the size will come from a tokenizer's files."""
-    vocab = getattr(args, "vocab_size", None)
-    if not vocab:
-        return 0
-    multiple = getattr(args, "make_vocab_size_divisible_by", 128) * getattr(args, "tensor_model_parallel_size", 1)
-    return -(-int(vocab) // multiple) * multiple
-
-
-def host_bytes_per_rank(args: argparse.Namespace) -> int | None:
-    """Host bytes this rank will pin: the optimizer state, or with --offload-weights everything of the
-    model (``BYTES_PER_PARAM`` per parameter)."""
-    state = state_bytes_per_rank(args)
-    if state is None or not getattr(args, "offload_weights", False):
-        return state
-    per_param_state = 12 if getattr(args, "offload_master_weights", True) else 8
-    return state // per_param_state * BYTES_PER_PARAM
-
-
 def parsed_megatron_args() -> argparse.Namespace | None:
     """Megatron's parsed arguments, or None before they exist (or without megatron.training)."""
     try:
@@ -155,46 +98,6 @@ def parsed_megatron_args() -> argparse.Namespace | None:
         return global_vars.get_args()
     except (ImportError, AssertionError):
         return None
-
-
-def wants_host_memory(args: argparse.Namespace) -> bool:
-    """Whether this run pins host memory of ours: offloaded state, streamed weights or layer inputs."""
-    return offload_requested(args) or bool(getattr(args, "offload_layer_inputs", False))
-
-
-def _refuse_bad_flags(check: Callable[[argparse.Namespace], None], args: argparse.Namespace) -> None:
-    """Run one of our checks; a refusal ends the run in one line, as the input was the problem."""
-    try:
-        check(args)
-    except ValueError as error:
-        _stop(f"megatron-offload: {error}")
-
-
-def _one_line_errors(parser: argparse.ArgumentParser) -> None:
-    """A parse error as argparse's last line only: Megatron's usage text runs to hundreds of lines."""
-
-    def error(message: str) -> NoReturn:
-        from_file = parse_error(message)  # a value a --config file gave: the file and key, what to give
-        if from_file:
-            _stop(f"megatron-offload: {from_file}")
-        _stop(f"{parser.prog}: error: {message} (--help lists the flags)")
-
-    parser.error = error  # type: ignore[method-assign]
-
-
-def which_offloader(args: argparse.Namespace) -> str | None:
-    """The log line naming the offloader that runs, where Megatron-LM defines --offload-optimizer-states
-    too (so that a reader of the log knows which of the two the flag switched on); None elsewhere."""
-    if not upstream_defines_the_flag(args):
-        return None
-    if offload_requested(args):
-        return (
-            "megatron-offload: --offload-optimizer-states runs megatron-offload's offloader; Megatron-LM's own "
-            f"(which this Megatron-LM also names --offload-optimizer-states) stays off: {UPSTREAM_FLAG} asks for it"
-        )
-    if getattr(args, "chunked_optimizer_state_offload", False):
-        return f"megatron-offload: {UPSTREAM_FLAG} runs Megatron-LM's own offloader; megatron-offload's is off"
-    return None
 
 
 def _skip_compile_when_prebuilt() -> None:
@@ -227,7 +130,7 @@ def install_training_hooks() -> None:
                 parser = extra_args_provider(parser)
             if not has_offload_args(parser):
                 parser = add_offload_args(parser)
-            _one_line_errors(parser)
+            one_line_errors(parser)
             return add_switch_inverses(parser)
 
         return parse_args(provider, *args, **kwargs)
@@ -236,34 +139,32 @@ def install_training_hooks() -> None:
 
     def validate_args_then_offload_flags(args: argparse.Namespace, *rest: Any, **kwargs: Any) -> Any:
         if not torch.cuda.is_available():  # Megatron would assert so only after its argument dump
-            _stop(NO_CUDA)
-        _refuse_bad_flags(check_offload_combinations, args)  # before Megatron's assertions and dump
+            stop(NO_CUDA)
+        refuse_bad_flags(check_offload_combinations, args)  # before Megatron's assertions and dump
         result = validate_args(args, *rest, **kwargs)
-        _refuse_bad_flags(validate_offload_args, args)
+        refuse_bad_flags(validate_offload_args, args)
         run.weights.config = weight_config_from_args(args)  # read once; the hooks below go by it
         run.long_context_config = long_context_config_from_args(args)
         if run.long_context_config.chunked_loss and not supports_output_processor():  # before the model is built
-            _stop(f"megatron-offload: {CHUNKED_LOSS_NEEDS}")
+            stop(f"megatron-offload: {CHUNKED_LOSS_NEEDS}")
         which = which_offloader(args)
         if which:
-            _print_once(which)
+            print_once(which)
         ignored = ignored_offload_flags(args)
         if ignored:
             verb = "has" if len(ignored) == 1 else "have"
-            _print_once(f"megatron-offload: {', '.join(ignored)} {verb} no effect without --offload-optimizer-states")
+            print_once(f"megatron-offload: {', '.join(ignored)} {verb} no effect without --offload-optimizer-states")
         if wants_host_memory(args) and getattr(args, "offload_host_memory_check", True):
             needed = (host_bytes_per_rank(args) or 0) + layer_input_bytes_per_rank(args)
             if needed:  # before the model is built: a node that cannot hold the state stops here, in one line
                 try:
                     check_host_room(needed)
                 except HostMemoryError as error:
-                    _stop(f"megatron-offload: {error}")
+                    stop(f"megatron-offload: {error}")
         cap = config_from_args(args).gpu_memory_cap_gib
         if cap is not None:  # before the model is built, so that everything counts against it
             run.gpu_memory_cap_bytes = apply_memory_cap(cap, int(os.environ.get("LOCAL_RANK", "0")))
-            _print_once(
-                f"megatron-offload: GPU memory capped at {cap:g} GiB per process (--offload-gpu-memory-cap-gib)"
-            )
+            print_once(f"megatron-offload: GPU memory capped at {cap:g} GiB per process (--offload-gpu-memory-cap-gib)")
         return result
 
     # Before the optimizer getter is captured below:
@@ -276,17 +177,17 @@ def install_training_hooks() -> None:
         long_context = attach_long_context(model_chunks, run.long_context_config)
         if long_context is not None:
             run.long_context.append(long_context)
-            _print_once(describe_long_context(long_context))
+            print_once(describe_long_context(long_context))
         fix_note = fix_torch_adam_checkpoints(optimizer)  # with or without offloading
         if fix_note:
-            _print_once(fix_note)
+            print_once(fix_note)
         megatron_args = global_vars.get_args()
         if offload_requested(megatron_args):
             try:
                 handle = attach_offloader(optimizer, config_from_args(megatron_args))
             except HostMemoryError as error:  # the host, not the code: one line (attach undid itself)
-                _stop(f"megatron-offload: {error}")
-            handle.say = _print_once  # what `--offload-fraction auto` chose, on the first rank
+                stop(f"megatron-offload: {error}")
+            handle.say = print_once  # what `--offload-fraction auto` chose, on the first rank
             run.offloads.append(handle)
             if run.weights.config.streamed_step:  # after the offloader: its step is streamed
                 chunks = args[1] if len(args) > 1 else kwargs["model_chunks"]
@@ -322,7 +223,7 @@ def install_training_hooks() -> None:
 
     allocator_note = use_expandable_segments_by_default()
     if allocator_note:
-        _print_once(allocator_note)
+        print_once(allocator_note)
     _skip_compile_when_prebuilt()
     arguments.parse_args = parse_args_with_offload_flags
     arguments.validate_args = validate_args_then_offload_flags

@@ -24,11 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_offload.core.patches import InstancePatches
-from megatron_offload.megatron.optimizer_internals import (
-    _in_last_microbatch,
-    distributed_optimizers,
-    streamed_step_of,
-)
+from megatron_offload.megatron.optimizer_internals import _in_last_microbatch, distributed_optimizers
 from megatron_offload.megatron.step_internals import (
     ClipDeferral,
     check_grads_from_slots,
@@ -36,6 +32,7 @@ from megatron_offload.megatron.step_internals import (
     norm_of_norms,
     reset_without_zeroing,
 )
+from megatron_offload.megatron.streamed_step_internals import streamed_step_of
 from megatron_offload.megatron.weights_adapter import WeightHandle
 from megatron_offload.optimizer_state.staged_params import StagedParams
 from megatron_offload.optimizer_state.streamed_step import footprint

@@ -1,15 +1,16 @@
 """Move an optimizer's per-parameter state to host memory between steps, and back for the next one.
 
 Knows nothing of Megatron: any ``torch.optim.Optimizer`` plus optional fp32 master weights. The offloader
-composes two parts and owns the copy queue and the figures they share: ``state`` (planned_state.py: the plan
-of plan.py, which cuts the state into chunks of whole parameters, with its host slab and the kept bytes) and
-``mover`` (chunk_copies.py: what a chunk's copy through the copy core, core/copies.py, means for its tensors).
+composes three parts and owns the copy queue and the figures they share: ``state`` (planned_state.py: the plan
+of plan.py, which cuts the state into chunks of whole parameters, with its host slab and the kept bytes),
+``mover`` (chunk_copies.py: what a chunk's copy through the copy core, core/copies.py, means for its tensors)
+and ``device_view`` (device_view.py: the tensors as the step's code meets them on the device). Its prefetch
+walks the plan with prefetch_walk.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -20,8 +21,10 @@ from megatron_offload.core.streams import PREFETCH, Event, Streams, streams_for
 from megatron_offload.core.units import MIB
 from megatron_offload.optimizer_state import plan as planning
 from megatron_offload.optimizer_state.chunk_copies import ChunkCopies, ChunkCopy, OffloadCopyError
+from megatron_offload.optimizer_state.device_view import DeviceView
 from megatron_offload.optimizer_state.plan import Chunk, Plan
 from megatron_offload.optimizer_state.planned_state import PlannedState
+from megatron_offload.optimizer_state.prefetch_walk import queue_back
 
 __all__ = ["OffloadCopyError", "OptimizerStateOffloader"]
 
@@ -77,7 +80,7 @@ class OptimizerStateOffloader:
             self.stats, self.copies,
         )  # fmt: skip
         self.mover = ChunkCopies(self.state, self.stats, self.timings, self.streams, self.copies)
-        self._placeholders: dict[torch.dtype, torch.Tensor] = {}
+        self.device_view = DeviceView(self.device, self.state)
         if check_host_memory:
             check_host_room(self.state.estimated_host_bytes())
 
@@ -215,32 +218,8 @@ class OptimizerStateOffloader:
         """Queue offloaded chunks back, in step order, up to ``max_bytes`` (default: all), and start
         what may start. A chunk whose copy out has not started yet simply stays. With ``landed_only``,
         only chunks whose copy out has landed (the backward's hooks). Returns the bytes queued."""
-        started, mark = 0, None
         self.copies.retire_landed()  # a chunk whose copy out has landed is on the host, not leaving
-        plan = self.plan
-        settled = True  # every chunk so far is back or coming back
-        for index in range(plan.back_until, len(self.chunks)):
-            chunk = self.chunks[index]
-            copy = chunk.copy
-            if copy is not None and copy.direction == PREFETCH:
-                pass  # on its way back already
-            elif copy is not None and copy.done is None:
-                self.mover.cancel(copy)  # its copy out has not started: the chunk never left
-            elif chunk.on_gpu:
-                pass
-            elif landed_only and copy is not None:
-                settled = False  # still leaving: a later call comes back for it
-                continue
-            elif copy is not None:
-                self.mover.revive(chunk)  # costs no memory and no copy
-            elif max_bytes is not None and started + chunk.nbytes > max_bytes:
-                break
-            else:
-                mark = mark or self.streams.mark()  # one mark for every block allocated here
-                self.mover.queue_prefetch(chunk, self.mover.new_block(chunk.nbytes), after=mark)
-                started += chunk.nbytes
-            if settled:
-                plan.back_until = index + 1
+        started = queue_back(self.plan, self.mover, self.streams, max_bytes, landed_only)
         if started:
             self.stats.prefetches += 1
             self.stats.gpu_bytes_freed = self.offloaded_bytes
@@ -253,52 +232,11 @@ class OptimizerStateOffloader:
         for chunk in self.chunks:
             self.mover.hand_to_compute(chunk)
 
-    def check_gradients(self) -> None:
-        """Refuse a gradient on another device than the GPU the step runs on, before anything moves:
-        while offloaded, a param's ``.data`` is its host copy, so a gradient made from it lands on the
-        CPU, and Adam would fail half-way with a device error."""
-        if self.device is None or self.device.type != "cuda":
-            return
-        for chunk in self.chunks:
-            for param in chunk.params:
-                grad = param.grad
-                if grad is not None and grad.device != self.device:
-                    raise ValueError(
-                        f"megatron-offload: a parameter's gradient is on {grad.device} but its optimizer step "
-                        f"runs on {self.device} (shape {tuple(param.shape)}): while offloaded, a param's .data "
-                        "is its host copy; make gradients on the GPU (e.g. torch.randn(shape, device='cuda'))"
-                    )
-
-    @contextlib.contextmanager
-    def params_on_device(self) -> Iterator[None]:
-        """While inside, offloaded params (master weights) look like device tensors of the right shape
-        (no memory behind them), so code that assigns their ``.grad`` before the step works."""
-        swapped = []
-        if self.device is not None and self.device.type == "cuda":
-            for chunk in self.chunks:
-                for entry in chunk.entries:
-                    if not chunk.on_gpu and entry.is_param:
-                        dtype = entry.tensor.dtype
-                        if dtype not in self._placeholders:
-                            self._placeholders[dtype] = torch.empty((), dtype=dtype, device=self.device)
-                        entry.tensor.data = self._placeholders[dtype].expand(entry.tensor.shape)
-                        swapped.append((chunk, entry))
-        try:
-            yield
-        finally:
-            for chunk, entry in swapped:
-                if not chunk.on_gpu:
-                    entry.tensor.data = entry.host
-
     def restore(self) -> None:
         """Bring everything back to the device for good, each tensor in storage of its own again, and
         free the host slab (used at detach)."""
         self.wait()
-        for chunk in self.chunks:
-            if chunk.block is not None:  # one chunk at a time, so this costs one chunk of extra memory
-                for entry in chunk.entries:
-                    entry.tensor.data = entry.tensor.data.clone()
-                chunk.block = None
+        self.device_view.own_storage()
         self.state.release_slab()
 
     def read_stats(self) -> OffloadStats:

@@ -143,7 +143,7 @@ def run(
     ``window``: the step's time beside its ready chunks' copies out, learned here, bounding those started in it;
     ``staging``: what ``begin_staging`` started as the optimizer's step began (made here otherwise)."""
     off.copies.pump()  # a failed copy is named here, before anything is updated
-    off.check_gradients()
+    off.device_view.check_gradients()
     stepper.begin()
     if stepper.plan is not off.plan:
         stepper.forget(off.plan)

@@ -2,5 +2,7 @@
 
 __all__ = [
     "parked_buffers",
+    "parts",
+    "report",
     "sleeper",
 ]

@@ -6,11 +6,9 @@ such as gradient and parameter buffers, whole) into pinned host memory, frees th
 returns it to the device (``torch.cuda.empty_cache()``), so ``torch.cuda.mem_get_info`` shows it free
 to other processes. ``wake()`` brings it all back, bitwise, into the same tensor objects.
 
-Host memory is pinned by ``prepare()``, which an RL framework calls at setup, so that the first sleep
-runs at the link's speed like every later one; a part that was not prepared is pinned by its first
-sleep (said in the log). Where the state already lives on the host between steps (an attached
-``--offload-optimizer-states`` handle), its offloaders and their slab are used as they are: no byte
-is pinned twice.
+The parts, and the host memory that ``prepare()`` at setup (or else the first sleep) pins for them,
+are parts.py's (``SleepParts``, which ``Sleeper`` builds on); what each call returns or raises is
+report.py's.
 
 The parts of a sleep or wake go over the link one after another, never beside each other: the
 buffers' copies through the copy core (core/copies.py: one ``Copy`` per part, on one side stream,
@@ -20,8 +18,8 @@ part's time is read from CUDA events, and a wake allocates the next part's devic
 link carries the previous part.
 
 This module knows nothing of Megatron: parts are optimizer offloaders and lists of tensors whose whole
-storage is parked. Of the engine it uses ``prepare()``, ``offload()``, ``copies.drain()``,
-``wait()``, ``restore()``, ``offloaded_bytes`` and ``estimated_host_bytes()``.
+storage is parked. Of the engine it uses ``offload()``, ``copies.drain()``, ``wait()``, ``restore()``
+and ``offloaded_bytes``.
 """
 
 from __future__ import annotations
@@ -29,86 +27,23 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from megatron_offload.core.copies import CopyQueue
-from megatron_offload.core.host_memory import HOST_MEMORY_HEADROOM, available_host_bytes
 from megatron_offload.core.streams import Event, streams_for
 from megatron_offload.core.units import GIB
 from megatron_offload.optimizer_state.offloader import OptimizerStateOffloader
 from megatron_offload.sleep.parked_buffers import DEFAULT_CHUNK_BYTES, ParkedBuffers, Transfer
+from megatron_offload.sleep.parts import SleepParts
+from megatron_offload.sleep.report import SleepError, SleepReport, device_memory
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "ParkedBuffers", "SleepError", "SleepReport", "Sleeper", "Transfer"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "ParkedBuffers", "Sleeper", "Transfer"]
 
 logger = logging.getLogger(__name__)
 
 
-class SleepError(RuntimeError):
-    """A sleep or wake that cannot be done; nothing has moved."""
-
-
-@dataclass
-class SleepReport:
-    """What a ``prepare()``, ``sleep()`` or ``wake()`` moved (or pinned), how long it took, and the
-    device's memory around it (zeros without CUDA)."""
-
-    direction: str  # "prepare", "sleep" or "wake"
-    transfers: list[Transfer] = field(default_factory=list)  # per part; in a prepare report, bytes pinned
-    seconds: float = 0.0  # wall clock of the whole call, pinning and allocation included
-    pinned: list[Transfer] = field(default_factory=list)  # host memory a sleep had to pin first (not prepared)
-    device_free_before: int = 0  # torch.cuda.mem_get_info()[0], after emptying PyTorch's cache
-    device_free_after: int = 0
-    allocated_before: int = 0  # torch.cuda.memory_allocated(): what live tensors of this process hold
-    allocated_after: int = 0
-    reserved_after: int = 0  # torch.cuda.memory_reserved(): what PyTorch's allocator still holds
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.transfers)
-
-    @property
-    def gb_per_s(self) -> float:
-        """The whole call's rate, wall clock."""
-        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-    @property
-    def given_back(self) -> int:
-        """Device memory other processes gained (a sleep) or lost (a wake, negative)."""
-        return self.device_free_after - self.device_free_before
-
-    @property
-    def held_by_allocator(self) -> int:
-        """Memory PyTorch's caching allocator still holds after the call though no tensor uses it: pages of
-        its segments shared with live tensors, which it cannot give back to the device."""
-        return self.reserved_after - self.allocated_after
-
-    def describe(self) -> str:
-        """One log line: what moved, how fast, and (a sleep) what the device got back."""
-        parts = ", ".join(f"{t.part} {t.nbytes / 1e9:.2f} GB at {t.gb_per_s:.1f} GB/s" for t in self.transfers)
-        if self.direction == "prepare":
-            return f"pinned host memory for sleep: {parts} ({self.seconds:.2f} s)"
-        line = f"{self.nbytes / 1e9:.2f} GB in {self.seconds:.3f} s ({self.gb_per_s:.1f} GB/s wall; {parts})"
-        if self.direction == "sleep" and torch.cuda.is_available():
-            share = self.given_back / self.nbytes if self.nbytes else 1.0
-            line += f"; the device got {self.given_back / 1e9:.2f} GB back ({share:.0%} of what moved)"
-            if self.held_by_allocator > 0:
-                line += (
-                    f", {self.held_by_allocator / 1e9:.2f} GB stays with PyTorch's allocator (free, but in pages "
-                    "shared with live tensors)"
-                )
-        return line
-
-
-def _memory() -> tuple[int, int, int]:
-    """(device free, allocated, reserved) bytes of the current device; zeros without CUDA."""
-    if not torch.cuda.is_available():
-        return 0, 0, 0
-    return torch.cuda.mem_get_info()[0], torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-
-
-class Sleeper:
+class Sleeper(SleepParts):
     """Sleep and wake for a set of named parts; one sleep at a time, each refused before anything moves.
 
     ``offloaders`` hold the optimizer state (and fp32 masters). With ``state_lives_on_host`` (the state
@@ -117,8 +52,6 @@ class Sleeper:
     device. ``buffers`` maps a part name to the tensors whose storages it parks. ``busy()`` returns why
     a sleep must wait (mid-step), or None. ``device`` is taken from the buffers when omitted.
     """
-
-    OPTIMIZER = "optimizer"
 
     def __init__(
         self,
@@ -131,15 +64,12 @@ class Sleeper:
         pin_memory: bool = True,
         device: torch.device | None = None,
     ) -> None:
-        self.offloaders = list(offloaders)
-        self.buffers = {
-            name: ParkedBuffers(name, tensors, chunk_bytes, pin_memory) for name, tensors in buffers.items()
-        }
-        self.state_lives_on_host = state_lives_on_host
+        super().__init__(
+            offloaders, buffers, state_lives_on_host=state_lives_on_host, chunk_bytes=chunk_bytes, pin_memory=pin_memory
+        )
         self.busy = busy
         self.asleep: tuple[str, ...] = ()  # the parts the current sleep moved; empty while awake
         self.last_report: SleepReport | None = None
-        self._state_pinned = state_lives_on_host  # the handle's slab holds the state already
         if device is None:
             tensors = [t for part in self.buffers.values() for t in part.tensors]
             device = tensors[0].device if tensors else None
@@ -149,64 +79,8 @@ class Sleeper:
         self._copies: CopyQueue | None = None  # made at the first sleep: its side stream, on CUDA
 
     @property
-    def parts(self) -> tuple[str, ...]:
-        return (self.OPTIMIZER, *self.buffers)
-
-    @property
     def is_asleep(self) -> bool:
         return bool(self.asleep)
-
-    # ------------------------------------------------------------------------------ host memory
-    def _names(self, parts: Sequence[str], what: str) -> tuple[str, ...]:
-        names = tuple(dict.fromkeys(parts))
-        unknown = [name for name in names if name not in self.parts]
-        if unknown or not names:
-            raise SleepError(f"cannot {what} {unknown or 'nothing'}: choose among {', '.join(self.parts)}")
-        return names
-
-    def _pinned(self, name: str) -> bool:
-        return self._state_pinned if name == self.OPTIMIZER else self.buffers[name].slab is not None
-
-    def host_bytes_needed(self, parts: Sequence[str]) -> int:
-        """Host memory a prepare or sleep of ``parts`` would newly pin (slabs that exist are reused)."""
-        needed = sum(self.buffers[name].host_bytes_needed() for name in parts if name in self.buffers)
-        if self.OPTIMIZER in parts and not self._state_pinned:
-            needed += sum(o.estimated_host_bytes() for o in self.offloaders)
-        return needed
-
-    def _check_host_room(self, parts: Sequence[str], what: str) -> None:
-        needed = self.host_bytes_needed(parts)
-        available = available_host_bytes()
-        if needed > available * HOST_MEMORY_HEADROOM:
-            raise SleepError(
-                f"{what} needs {needed / GIB:.2f} GiB of new pinned host memory but {available / GIB:.2f} GiB is "
-                f"available ({1 - HOST_MEMORY_HEADROOM:.0%} kept free): sleep fewer parts or free host memory"
-            )
-
-    def prepare(self, parts: Sequence[str] = (OPTIMIZER,)) -> SleepReport:
-        """Pin the host memory a sleep of ``parts`` needs, now (about 0.5 s per GiB; a progress line per
-        slab on the first rank), so that the first sleep runs at the link's speed. Nothing moves; safe to
-        call again (slabs that exist are kept). Call it at setup, before the first rollout."""
-        names = self._names(parts, "prepare")
-        self._check_host_room(names, "prepare")
-        report = SleepReport("prepare")
-        start = time.perf_counter()
-        report.transfers = [self._pin(name) for name in names]
-        report.seconds = time.perf_counter() - start
-        return report
-
-    def _pin(self, name: str) -> Transfer:
-        start = time.perf_counter()
-        if name != self.OPTIMIZER:
-            nbytes = self.buffers[name].prepare()
-        elif self._state_pinned:
-            nbytes = 0  # in the handle's slab, or pinned before
-        else:
-            nbytes = sum(o.estimated_host_bytes() for o in self.offloaders)
-            for offloader in self.offloaders:
-                offloader.prepare()  # plans the state and pins its slab; no copies
-            self._state_pinned = True
-        return Transfer(name, nbytes, time.perf_counter() - start)
 
     # ---------------------------------------------------------------------------------- copies
     @property
@@ -236,14 +110,14 @@ class Sleeper:
             raise SleepError(f"cannot sleep {reason}: call sleep() between training steps")
         self._check_host_room(parts, "sleep")
 
-    def sleep(self, parts: Sequence[str] = (OPTIMIZER,)) -> SleepReport:
+    def sleep(self, parts: Sequence[str] = (SleepParts.OPTIMIZER,)) -> SleepReport:
         """Move ``parts`` to pinned host memory and give their device memory back to the device."""
         names = self._names(parts, "sleep")
         self._check(names)
         if self._on_cuda:
             # Cached blocks freed earlier (activations) would otherwise count as what this sleep gave back.
             torch.cuda.empty_cache()
-        free, allocated, _ = _memory()
+        free, allocated, _ = device_memory()
         report = SleepReport("sleep", device_free_before=free, allocated_before=allocated)
         start = time.perf_counter()
         report.pinned = [self._pin(name) for name in names if not self._pinned(name)]
@@ -285,7 +159,7 @@ class Sleeper:
             torch.cuda.empty_cache()
         report.seconds = time.perf_counter() - start
         report.transfers = self._timed(timed)
-        report.device_free_after, report.allocated_after, report.reserved_after = _memory()
+        report.device_free_after, report.allocated_after, report.reserved_after = device_memory()
         self.asleep, self.last_report = names, report
         return report
 
@@ -314,7 +188,7 @@ class Sleeper:
         """Bring back everything the last sleep moved, bitwise, ready for the next training step."""
         if not self.asleep:
             raise SleepError("not asleep: wake() follows a sleep()")
-        free, allocated, _ = _memory()
+        free, allocated, _ = device_memory()
         report = SleepReport("wake", device_free_before=free, allocated_before=allocated)
         start = time.perf_counter()
         # The smallest first: the first part's allocation is the only one no copy runs beside.
@@ -349,7 +223,7 @@ class Sleeper:
         if self.OPTIMIZER in self.asleep and self.state_lives_on_host:
             # The attached handle brings the state back during the next step, as after any step.
             report.transfers.append(Transfer(self.OPTIMIZER, 0, 0.0))
-        report.device_free_after, report.allocated_after, report.reserved_after = _memory()
+        report.device_free_after, report.allocated_after, report.reserved_after = device_memory()
         self.asleep, self.last_report = (), report
         return report
 

@@ -5,7 +5,7 @@ import argparse
 import pytest
 
 from megatron_offload import OffloadConfig, PrefetchPolicy, add_offload_args, config_from_args, validate_offload_args
-from megatron_offload.config.flags import check_offload_combinations, ignored_offload_flags
+from megatron_offload.config.flag_checks import check_offload_combinations, ignored_offload_flags
 from megatron_offload.core.units import GIB
 
 

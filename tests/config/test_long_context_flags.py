@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from megatron_offload import add_offload_args
-from megatron_offload.config.flags import check_offload_combinations
+from megatron_offload.config.flag_checks import check_offload_combinations
 from megatron_offload.config.long_context_flags import (
     SDPA_SPEC,
     LongContextConfig,

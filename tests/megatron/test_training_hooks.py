@@ -16,6 +16,7 @@ from megatron_offload import run
 from megatron_offload.config.files import NO_CUDA, expand_config_argv
 from megatron_offload.config.weight_flags import WeightConfig
 from megatron_offload.core.units import GIB
+from megatron_offload.megatron import host_sizing
 from megatron_offload.megatron import training_hooks as megatron_training
 from megatron_offload.megatron.training_run import RUN_ATTR, TrainingRun, current_run
 from megatron_offload.megatron.weights_training import StreamedWeights
@@ -180,7 +181,7 @@ def test_a_node_without_room_for_the_state_stops_in_one_line_before_the_model_is
     from megatron_offload.core import host_memory
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(megatron_training, "state_bytes_per_rank", lambda args: 40 * 2**30)
+    monkeypatch.setattr(host_sizing, "state_bytes_per_rank", lambda args: 40 * 2**30)
     monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 16 * 2**30)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(SystemExit) as exit_:
@@ -204,10 +205,10 @@ def test_the_state_on_a_rank_is_counted_from_megatrons_own_estimate(monkeypatch:
     estimate.compute_weight_and_optimizer_memory = lambda args: 1e9 * (6 + 12 / args.data_parallel_size)
     monkeypatch.setitem(sys.modules, "megatron.training.theoretical_memory_usage", estimate)
     args = argparse.Namespace(data_parallel_size=2, offload_master_weights=True)
-    assert megatron_training.state_bytes_per_rank(args) == 6 * 10**9  # 1e9 params x 12 bytes / 2 ranks
+    assert host_sizing.state_bytes_per_rank(args) == 6 * 10**9  # 1e9 params x 12 bytes / 2 ranks
     args.offload_master_weights = False
-    assert megatron_training.state_bytes_per_rank(args) == 4 * 10**9
-    assert megatron_training.state_bytes_per_rank(argparse.Namespace()) is None  # cannot count: no check here
+    assert host_sizing.state_bytes_per_rank(args) == 4 * 10**9
+    assert host_sizing.state_bytes_per_rank(argparse.Namespace()) is None  # cannot count: no check here
 
 
 def megatrons_count(args: argparse.Namespace) -> float:
@@ -225,12 +226,12 @@ def test_the_state_is_counted_before_the_tokenizer_is_built(monkeypatch: pytest.
         num_layers=4, hidden_size=512, data_parallel_size=1, vocab_size=32000, make_vocab_size_divisible_by=128
     )
     params = 12 * 512**2 * 4 + 512 * 32000  # 32000 is a multiple of 128 already
-    assert megatron_training.state_bytes_per_rank(args) == 12 * params
+    assert host_sizing.state_bytes_per_rank(args) == 12 * params
     assert not hasattr(args, "padded_vocab_size")  # counted on a copy: Megatron still pads it itself
     args.vocab_size = 32001
-    assert megatron_training.state_bytes_per_rank(args) == 12 * (params + 512 * 128)  # padded to 32128
+    assert host_sizing.state_bytes_per_rank(args) == 12 * (params + 512 * 128)  # padded to 32128
     del args.vocab_size  # a tokenizer's files will tell: the transformer layers alone, a lower bound
-    assert megatron_training.state_bytes_per_rank(args) == 12 * 12 * 512**2 * 4
+    assert host_sizing.state_bytes_per_rank(args) == 12 * 12 * 512**2 * 4
 
 
 def test_a_node_too_small_is_refused_in_validation_before_the_tokenizer_exists(

@@ -286,7 +286,7 @@ def test_streamed_step_matches_the_plain_step_bit_for_bit(prefetch_bytes: int | 
         reference.step()
         set_grads(offloaded, step)
         offloader.prefetch(max_bytes=prefetch_bytes)
-        with offloader.params_on_device():
+        with offloader.device_view.params_on_device():
             run_step(offloader)
         assert offloader.is_offloaded
         assert all((not chunk.on_gpu) is not chunk.kept for chunk in offloader.chunks)  # kept ones stay
@@ -337,7 +337,7 @@ def test_a_new_fraction_moves_whole_chunks_and_keeps_values() -> None:
         set_grads(reference, step)
         reference.step()
         set_grads(optimizer, step)
-        with offloader.params_on_device():
+        with offloader.device_view.params_on_device():
             run_step(offloader)
         kept = [chunk for chunk in offloader.chunks if chunk.kept]
         assert all(chunk.on_gpu for chunk in kept)  # newly kept chunks came back through the step
@@ -374,7 +374,7 @@ def test_a_gradient_on_the_wrong_device_is_refused_before_anything_moves(monkeyp
     offloader.offload()
     set_grads(optimizer, 0)
     # The grads are on the CPU; pretend the step runs on a GPU (what the probe got wrong).
-    monkeypatch.setattr(offloader, "device", torch.device("cuda", 0))
+    monkeypatch.setattr(offloader.device_view, "device", torch.device("cuda", 0))
     chunks_before = [(not chunk.on_gpu) for chunk in offloader.chunks]
     with pytest.raises(ValueError, match=r"gradient is on cpu but its optimizer step runs on cuda:0"):
         run_step(offloader)

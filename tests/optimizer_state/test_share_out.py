@@ -90,7 +90,7 @@ def step_with_some_back(back_bytes: int | None, forward_hides: int, carried: int
         back = [chunk for chunk in offloader.chunks if chunk.on_gpu or chunk.copy is not None]
         streams.out.clear()
         streams.hold = True
-        with offloader.params_on_device():
+        with offloader.device_view.params_on_device():
             streamed_step.run(offloader, stepper, forward_hides=forward_hides, window=window)
         streams.hold = False
     return reference, optimizer, offloader, back, streams

@@ -54,7 +54,7 @@ class Log(HostStreams):
 
 def staged_step(offloader, stepper: ChunkStepper, stage: StagedParams) -> None:
     """One streamed step with the stage, as the offload handle runs it; every copy landed after."""
-    with offloader.params_on_device():
+    with offloader.device_view.params_on_device():
         try:
             streamed_step.run(offloader, stepper, stage=stage)
         finally:
@@ -220,7 +220,7 @@ def test_a_step_cut_short_leaves_every_param_at_its_host_copy_and_no_buffer() ->
     streams = Log()
     stage, stepper = StagedParams(streams), ChunkStepper(optimizer)
     set_grads(optimizer, 0)
-    with offloader.params_on_device():
+    with offloader.device_view.params_on_device():
         streamed_step.run(offloader, stepper, stage=stage)  # the moments exist from here: chunks stream
         stage.end_step()
     offloader.copies.drain()
@@ -234,7 +234,7 @@ def test_a_step_cut_short_leaves_every_param_at_its_host_copy_and_no_buffer() ->
     set_grads(optimizer, 1)
     homes = [(p.data_ptr(), p.grad) for p in masters]
     streams.calls.clear()
-    with pytest.raises(RuntimeError, match="boom"), offloader.params_on_device():
+    with pytest.raises(RuntimeError, match="boom"), offloader.device_view.params_on_device():
         try:
             streamed_step.run(offloader, stepper, fail_on_second, stage=stage)
         finally:

@@ -113,7 +113,7 @@ def test_the_streamed_step_over_uneven_chunks_matches_the_plain_step() -> None:
         set_grads(reference, step)
         reference.step()
         set_grads(optimizer, step)
-        with offloader.params_on_device():
+        with offloader.device_view.params_on_device():
             streamed_step.run(offloader, stepper)
         offloader.copies.drain()
     sizes = [chunk.nbytes for chunk in offloader.chunks]
@@ -150,7 +150,7 @@ def test_copies_in_started_as_the_step_begins_serve_its_update(skipped: int | No
             continue
         set_grads(reference, step)
         reference.step()
-        with offloader.params_on_device():
+        with offloader.device_view.params_on_device():
             streamed_step.run(offloader, stepper, staging=staging)
         offloader.copies.drain()
         ins = [direction for direction, _ in streams.copies[before:] if direction == PREFETCH]

@@ -31,7 +31,7 @@ def test_kept_chunks_are_updated_before_those_that_came_back() -> None:
         owner = {id(p): chunk.index for chunk in offloader.chunks for p in chunk.params}
         offloader.prefetch()  # what moves comes back ahead of the step
         seen.clear()
-        with offloader.params_on_device():
+        with offloader.device_view.params_on_device():
             streamed_step.run(offloader, stepper, record)
         offloader.copies.drain()
         kept = {chunk.index for chunk in offloader.chunks if chunk.kept}

@@ -1,23 +1,22 @@
 """Sleep and wake at the engine level, on CPU tensors and real torch optimizers.
 
 On CPU "device" and host are both memory, so what these prove is the bookkeeping: every byte comes
-back where it was, tensor objects and views keep their identity, storages are really freed, slabs are
-pinned once and reused, and every refusal happens before anything moves. The GPU test does the rest.
+back where it was, tensor objects and views keep their identity, storages are really freed, and every
+refusal happens before anything moves; host memory and ``prepare()`` are test_prepare.py's. The GPU test
+does the rest.
 """
 
 from __future__ import annotations
-
-import logging
 
 import pytest
 import torch
 
 from megatron_offload import OptimizerStateOffloader
-from megatron_offload.core import host_memory
 from megatron_offload.core.copies import CopyError, CopyQueue
 from megatron_offload.core.streams import HostStreams
-from megatron_offload.sleep import sleeper as sleep
-from megatron_offload.sleep.sleeper import Sleeper, SleepError, SleepReport, Transfer
+from megatron_offload.sleep import parts
+from megatron_offload.sleep.report import SleepError, SleepReport
+from megatron_offload.sleep.sleeper import Sleeper, Transfer
 
 
 def adam_with_masters(seed: int = 0) -> tuple[torch.optim.AdamW, list[torch.Tensor]]:
@@ -51,20 +50,6 @@ class Setup:
     def snapshot(self) -> list[torch.Tensor]:
         state = [v.clone() for p in self.masters for v in self.optimizer.state[p].values()]
         return [m.detach().clone() for m in self.masters] + state + [self.grads.clone(), self.params.clone()]
-
-
-@pytest.fixture
-def slabs_made(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The size of every host slab made from now on (the engine's and the buffers' alike)."""
-    made: list[int] = []
-    real_init = host_memory.HostSlab.__init__
-
-    def counting_init(self, numel: int, dtype: torch.dtype, *args, **kwargs) -> None:
-        made.append(numel * torch.empty((), dtype=dtype).element_size())
-        real_init(self, numel, dtype, *args, **kwargs)
-
-    monkeypatch.setattr(host_memory.HostSlab, "__init__", counting_init)
-    return made
 
 
 def assert_equal(left: list[torch.Tensor], right: list[torch.Tensor]) -> None:
@@ -109,22 +94,6 @@ def test_training_on_after_sleep_and_wake_matches_training_without_the_pause() -
     assert_equal(paused.snapshot(), straight.snapshot())
 
 
-def test_host_slabs_are_pinned_once_and_reused() -> None:
-    setup = Setup()
-    take_step(setup.optimizer, 0)
-    sleeper = setup.sleeper()
-    sleeper.sleep(["optimizer", "grads", "params"])
-    slabs = {name: part.slab for name, part in sleeper.buffers.items()}
-    pointers = {name: slab.tensor.data_ptr() for name, slab in slabs.items()}
-    sleeper.wake()
-    assert sleeper.host_bytes_needed(["grads", "params", "optimizer"]) == 0  # nothing new to pin
-    take_step(setup.optimizer, 1)
-    sleeper.sleep(["optimizer", "grads", "params"])
-    for name, part in sleeper.buffers.items():
-        assert part.slab is slabs[name] and part.slab.tensor.data_ptr() == pointers[name]
-    sleeper.wake()
-
-
 def test_only_the_parts_asked_for_move() -> None:
     setup = Setup()
     take_step(setup.optimizer, 0)
@@ -161,7 +130,7 @@ def test_refusals_say_what_and_what_to_do_and_move_nothing(monkeypatch: pytest.M
     reason.clear()
     with pytest.raises(SleepError, match="cannot sleep \\['kv_cache'\\]: choose among optimizer, grads, params"):
         sleeper.sleep(["kv_cache"])
-    monkeypatch.setattr(sleep, "available_host_bytes", lambda: 1000)  # the host reports 1000 bytes free
+    monkeypatch.setattr(parts, "available_host_bytes", lambda: 1000)  # the host reports 1000 bytes free
     with pytest.raises(SleepError, match="new pinned host memory.*sleep fewer parts or free host memory"):
         sleeper.sleep(["optimizer", "grads"])
     assert not sleeper.is_asleep and not sleeper.offloaders[0].is_offloaded
@@ -198,68 +167,6 @@ def test_a_buffer_freed_by_someone_else_is_refused_before_anything_moves() -> No
     with pytest.raises(SleepError, match="cannot sleep grads: a buffer was freed or resized by someone else"):
         sleeper.sleep(["optimizer", "grads"])
     assert not sleeper.is_asleep and not sleeper.offloaders[0].is_offloaded
-
-
-def test_prepare_pins_every_slab_at_setup_and_no_sleep_pins_again(slabs_made: list[int]) -> None:
-    """An RL framework prepares at setup, before Adam's first step has made the moments: the state's slab
-    is sized for them, so neither the first sleep after that step nor any later one pins anything."""
-    setup = Setup()
-    sleeper = setup.sleeper()
-    report = sleeper.prepare(["optimizer", "grads", "params"])
-    pinned = {t.part: t.nbytes for t in report.transfers}
-    assert report.direction == "prepare" and pinned["grads"] == 1280 and pinned["params"] == 256  # 256-aligned
-    masters = sum(m.numel() * 4 for m in setup.masters)
-    assert pinned["optimizer"] >= 3 * masters  # the masters and the two moments to come
-    assert len(slabs_made) == 3 and sleeper.host_bytes_needed(["optimizer", "grads", "params"]) == 0
-    assert not sleeper.offloaders[0].is_offloaded  # nothing moved
-    assert sleeper.prepare(["grads"]).transfers[0].nbytes == 0 and len(slabs_made) == 3  # kept, not re-pinned
-
-    straight = Setup()
-    for step in range(3):
-        take_step(setup.optimizer, step)
-        take_step(straight.optimizer, step)
-        asleep = sleeper.sleep(["optimizer", "grads", "params"])
-        assert asleep.pinned == [] and len(slabs_made) == 3
-        sleeper.wake()
-    assert_equal(setup.snapshot(), straight.snapshot())
-
-
-def test_a_sleep_that_was_not_prepared_pins_on_the_way_and_says_so(
-    slabs_made: list[int], caplog: pytest.LogCaptureFixture
-) -> None:
-    setup = Setup()
-    take_step(setup.optimizer, 0)
-    sleeper = setup.sleeper()
-    sleeper.prepare(["grads"])
-    with caplog.at_level(logging.WARNING, logger="megatron_offload.sleep.sleeper"):
-        report = sleeper.sleep(["optimizer", "grads", "params"])
-    assert [t.part for t in report.pinned] == ["optimizer", "params"] and len(slabs_made) == 3
-    assert "pinned 0.00 GiB of host memory on the way" in caplog.text and "call prepare() at setup" in caplog.text
-    sleeper.wake()
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="megatron_offload.sleep.sleeper"):
-        assert sleeper.sleep(["optimizer", "grads", "params"]).pinned == []
-    assert caplog.text == "" and len(slabs_made) == 3
-
-
-def test_state_that_lives_on_the_host_is_never_pinned_twice(slabs_made: list[int]) -> None:
-    """With an attached handle the state's slab is the handle's: prepare and sleep pin nothing for it."""
-    setup = Setup()
-    take_step(setup.optimizer, 0)
-    sleeper = setup.sleeper(state_lives_on_host=True)
-    report = sleeper.prepare(["optimizer", "grads"])
-    assert {t.part: t.nbytes for t in report.transfers} == {"optimizer": 0, "grads": 1280}
-    assert slabs_made == [1280] and sleeper.host_bytes_needed(["optimizer"]) == 0
-
-
-def test_prepare_refuses_before_pinning_anything(monkeypatch: pytest.MonkeyPatch, slabs_made: list[int]) -> None:
-    sleeper = Setup().sleeper()
-    with pytest.raises(SleepError, match="cannot prepare \\['kv_cache'\\]: choose among optimizer, grads, params"):
-        sleeper.prepare(["kv_cache"])
-    monkeypatch.setattr(sleep, "available_host_bytes", lambda: 1000)
-    with pytest.raises(SleepError, match="prepare needs 0.00 GiB of new pinned host memory but 0.00 GiB is available"):
-        sleeper.prepare(["optimizer", "grads", "params"])
-    assert slabs_made == [] and sleeper.host_bytes_needed(["grads"]) == 1280
 
 
 def test_reports_time_every_part_and_wake_brings_the_smallest_buffer_first() -> None:

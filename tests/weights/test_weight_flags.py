@@ -7,7 +7,8 @@ import argparse
 import pytest
 
 from megatron_offload import add_offload_args, validate_offload_args
-from megatron_offload.config.flags import check_offload_combinations, config_from_args
+from megatron_offload.config.flag_checks import check_offload_combinations
+from megatron_offload.config.flags import config_from_args
 
 SUPPORTED = [
     "--offload-optimizer-states",
