@@ -1,7 +1,7 @@
 """The nightly memory comparison's checks: its thresholds file, each offload row's step-time floor, and the
 verdict of every check against no offload.
 
-The rows (compare_memory.RUN_FLAGS): ``baseline`` (no offload), ``step`` (the smallest footprint,
+The rows (memory_runs.RUN_FLAGS): ``baseline`` (no offload), ``step`` (the smallest footprint,
 ``--offload-prefetch step``), ``capped-no-offload`` (no offload under the cap, which must run out of memory)
 and ``capped-default`` (``--offload-optimizer-states`` alone under the same cap, which must fit).
 
@@ -24,7 +24,8 @@ from typing import Any
 
 import yaml
 
-from benchmarks.memory_report import GB, GIB, RunLog, RunSummary, copy_gbps, number
+from benchmarks.memory_report import GB, GIB, RunLog, copy_gbps, number
+from benchmarks.memory_summary import RunSummary
 
 CAP_FLAG = "--offload-gpu-memory-cap-gib"
 OFFLOAD_ROWS = ("step", "capped-default")  # the rows that move state, with a floor and bitwise losses

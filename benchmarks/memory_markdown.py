@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.memory_report import WARMUP_ITERATIONS
+from benchmarks.memory_summary import WARMUP_ITERATIONS
 
 
 def _cell(value: float | None, spec: str, suffix: str = "") -> str:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.link_speed import measured, with_step_floors
-from benchmarks.megatron_side_by_side import run
+from benchmarks.megatron_job import run
 
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 WEIGHTS = ["--offload-optimizer-states", "--offload-weights"]

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import compare_memory, nightly_runs
+from benchmarks import compare_memory, memory_runs, nightly_runs
 from benchmarks.memory_checks import ThresholdsError, load_thresholds
-from benchmarks.memory_report import expected_state_bytes, last_error_line, parse_log, summarize
+from benchmarks.memory_report import expected_state_bytes, last_error_line, parse_log
+from benchmarks.memory_summary import summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "memory_logs"
@@ -223,12 +224,12 @@ def test_run_mode_streams_each_run_into_its_log(
 
     def replay(name: str, args: argparse.Namespace, extra: list[str]) -> list[str]:
         code = 1 if name in ("cpu-offload", "capped-no-offload") else 0
-        commands[name] = compare_memory.flags_of(name, args.cap_gib)
+        commands[name] = memory_runs.flags_of(name, args.cap_gib)
         script = f"import sys; sys.stdout.write(open({str(DATA / f'{name}.log')!r}).read()); sys.exit({code})"
         return [sys.executable, "-c", script]
 
     commands: dict[str, list[str]] = {}
-    monkeypatch.setattr(compare_memory, "run_command", replay)
+    monkeypatch.setattr(memory_runs, "run_command", replay)
     out_dir = tmp_path / "out"
     code = compare_memory.main(["--config", "configs/nightly_memory.yaml", "--out", str(out_dir), "--", "--seed", "7"])
     printed = capsys.readouterr()
@@ -260,7 +261,7 @@ def test_without_a_cap_from_the_baseline_the_capped_rows_do_not_run(
         source = empty if name == "baseline" else DATA / f"{name}.log"
         return [sys.executable, "-c", f"import sys; sys.stdout.write(open({str(source)!r}).read())"]
 
-    monkeypatch.setattr(compare_memory, "run_command", replay)
+    monkeypatch.setattr(memory_runs, "run_command", replay)
     out_dir = tmp_path / "out"
     code = compare_memory.main(["--config", "configs/nightly_memory.yaml", "--out", str(out_dir), "--skip-cpu-offload"])
     assert code == 2  # the baseline gave no iterations either: no verdict
@@ -273,12 +274,12 @@ def test_without_a_cap_from_the_baseline_the_capped_rows_do_not_run(
 
 def test_run_command_and_environment_of_a_run(tmp_path: Path) -> None:
     args = argparse.Namespace(config=Path("configs/nightly_memory.yaml"), out=tmp_path, gpus=2, iters=5, cap_gib=35.08)
-    capped = compare_memory.run_command("capped-default", args, [])
+    capped = memory_runs.run_command("capped-default", args, [])
     assert capped[-3:] == ["--offload-optimizer-states", "--offload-gpu-memory-cap-gib", "35.08"]
-    for name in compare_memory.RUN_FLAGS:  # the judged rows: no allocator history, no snapshot dump
-        row = compare_memory.run_command(name, args, [])
+    for name in memory_runs.RUN_FLAGS:  # the judged rows: no allocator history, no snapshot dump
+        row = memory_runs.run_command(name, args, [])
         assert "--record-memory-history" not in row and "--memory-snapshot-path" not in row, name
-    command = compare_memory.run_command("cpu-offload", args, ["--seed", "7"])
+    command = memory_runs.run_command("cpu-offload", args, ["--seed", "7"])
     assert command[1:7] == [
         "-m",
         "torch.distributed.run",

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import megatron_job as job
 from benchmarks import megatron_side_by_side as side
 from benchmarks import memory_speed_curve as curve
 from benchmarks import run_logs
@@ -75,7 +76,7 @@ def run_sweep(monkeypatch: pytest.MonkeyPatch, argv: list[str], run) -> tuple[in
         calls.append((name, argv))
         return run(name, argv, gpus, out, env_extra)
 
-    monkeypatch.setattr(side, "run", recording)
+    monkeypatch.setattr(job, "run", recording)
     monkeypatch.setattr(side, "preflight", lambda argv: None)
     monkeypatch.setattr(sys, "argv", ["megatron_side_by_side.py", "--sweep", *argv])
     return side.main(), calls
@@ -195,7 +196,7 @@ def test_a_logged_link_speed_is_read() -> None:
 def test_nothing_runs_when_nothing_can(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(side, "run", lambda *a, **k: pytest.fail("a job was started"))
+    monkeypatch.setattr(job, "run", lambda *a, **k: pytest.fail("a job was started"))
     monkeypatch.setattr(side, "preflight", lambda argv: "megatron-offload: no CUDA GPU found")
     monkeypatch.setattr(sys, "argv", ["megatron_side_by_side.py", "--out", str(tmp_path)])
     assert side.main() == 2

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import compare_memory
+from benchmarks import compare_memory, memory_runs
 from benchmarks.memory_plots import allocated_timeline
-from benchmarks.memory_report import parse_log, summarize
+from benchmarks.memory_report import parse_log
+from benchmarks.memory_summary import summarize
 from tests.test_compare_memory import DATA, failing, logs_dir, verdict
 
 
@@ -26,19 +27,19 @@ def test_a_timeline_command_is_its_rows_with_the_history_for_a_few_iterations(tm
     last (Megatron's argparse keeps the last), over --iters and one in the extra arguments."""
     args = argparse.Namespace(config=Path("configs/nightly_memory.yaml"), out=tmp_path, gpus=1, iters=5, cap_gib=35.08)
     extra = ["--seed", "7", "--train-iters", "9"]
-    row = compare_memory.run_command("capped-default", args, extra)
-    command = compare_memory.timeline_command("capped-default", args, extra)
+    row = memory_runs.run_command("capped-default", args, extra)
+    command = memory_runs.timeline_command("capped-default", args, extra)
     assert command[: len(row)] == row
     added = command[len(row) :]
     assert "--record-memory-history" in added
     path = Path(added[added.index("--memory-snapshot-path") + 1])
     assert path == (tmp_path / "capped-default.snapshot.pickle").resolve()
     iters = [command[i + 1] for i, word in enumerate(command) if word == "--train-iters"]
-    assert iters == ["5", "9", str(compare_memory.TIMELINE_ITERS)]
+    assert iters == ["5", "9", str(memory_runs.TIMELINE_ITERS)]
     assert command[command.index("--offload-gpu-memory-cap-gib") + 1] == "35.08"
     megatron = argparse.ArgumentParser(allow_abbrev=False)  # as Megatron's: a repeated flag's last value wins
     megatron.add_argument("--train-iters", type=int)
-    assert megatron.parse_known_args(command)[0].train_iters == compare_memory.TIMELINE_ITERS
+    assert megatron.parse_known_args(command)[0].train_iters == memory_runs.TIMELINE_ITERS
 
 
 SLOWER = 1.8  # how much slower the fake Megatron below runs an iteration with the allocator's history
@@ -91,14 +92,14 @@ def test_timeline_runs_follow_the_rows_that_ran_through(
         return plotted(snapshots, seen, notes)
 
     plotted = compare_memory.timelines
-    monkeypatch.setattr(compare_memory, "run_command", replay)
+    monkeypatch.setattr(memory_runs, "run_command", replay)
     monkeypatch.setattr(compare_memory, "timelines", timelines)
     out_dir = tmp_path / "out"
     code = compare_memory.main(["--config", "configs/nightly_memory.yaml", "--out", str(out_dir)])
     printed = capsys.readouterr()
     info = json.loads((out_dir / "run_info.json").read_text())
     report = json.loads((out_dir / "report.json").read_text())
-    ran = [name for name in compare_memory.TIMELINES if name != failing_row]
+    ran = [name for name in memory_runs.TIMELINES if name != failing_row]
     assert list(info["timeline_runs"]) == ran
     assert {name: run["returncode"] for name, run in info["timeline_runs"].items()} == {
         name: int(name == failing_timeline) for name in ran
@@ -118,7 +119,7 @@ def test_timeline_runs_follow_the_rows_that_ran_through(
     )
     assert not any("allocator-history recording" in n for n in report["notes"])
     assert any(n.startswith("step times come from runs without the allocator's history") for n in report["notes"])
-    assert list(windows) == [name for name in compare_memory.TIMELINES if name != failing_timeline]
+    assert list(windows) == [name for name in memory_runs.TIMELINES if name != failing_timeline]
     if failing_row:  # no timeline run: the plot has no snapshot of it, and says so
         assert f"memory_timeline.png leaves out {failing_row}: no {failing_row}.snapshot.pickle" in report["notes"]
     for name, window in windows.items():

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from benchmarks import megatron_job as job
 from benchmarks import megatron_side_by_side as side
 from benchmarks import memory_speed_curve as curve
 from benchmarks import phase_lines, phases
@@ -104,7 +105,7 @@ def test_the_sweep_prints_each_caps_phases_beside_no_offloads(monkeypatch: pytes
             "phases_ms": {"F1": [110.0 if offload else 55.0, 108.0], "step": [70.0, 70.0]},
         }  # fmt: skip
 
-    monkeypatch.setattr(side, "run", run)
+    monkeypatch.setattr(job, "run", run)
     monkeypatch.setattr(side, "preflight", lambda argv: None)
     argv = ["megatron_side_by_side.py", "--sweep", "--phases", "--out", str(tmp_path), "--caps", "50"]
     monkeypatch.setattr("sys.argv", [*argv, "--megatron-lm", str(tmp_path)])

@@ -4,17 +4,25 @@ torchrun jobs stood in for."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
 
+from benchmarks import megatron_job as job
 from benchmarks import megatron_side_by_side as side
+from benchmarks import side_by_side_profile as profile
+from benchmarks import side_by_side_rows as rows
+from benchmarks import side_by_side_upstream as side_upstream
 from tests.chrome_traces import busy_kernels, memcpy, step, write
 
 ROOT = Path(__file__).resolve().parents[1]
 
-UPSTREAM_ROWS = [name for name, _ in side.UPSTREAM]
+UPSTREAM_ROWS = [name for name, _ in rows.UPSTREAM]
 
 
 @pytest.fixture(autouse=True)
@@ -54,7 +62,7 @@ def run_main(monkeypatch: pytest.MonkeyPatch, argv: list[str], run) -> tuple[int
         calls.append((name, argv, env_extra))
         return run(name, argv, gpus, out, env_extra)
 
-    monkeypatch.setattr(side, "run", recording)
+    monkeypatch.setattr(job, "run", recording)
     monkeypatch.setattr(sys, "argv", ["megatron_side_by_side.py", *argv])
     return side.main(), calls
 
@@ -77,7 +85,7 @@ def test_exit_status_says_whether_every_run_did_what_it_must(
     assert ("did not do what they must" in out) is bool(status)
     assert (tmp_path / "table.txt").is_file()
     if "log1-no-offload" not in failing:
-        assert len(calls) == len(side.MATRIX)  # the whole matrix ran (capped runs took their cap from it)
+        assert len(calls) == len(rows.MATRIX)  # the whole matrix ran (capped runs took their cap from it)
     assert all(argv[0] == "scripts/pretrain_gpt.py" and env is None for _, argv, env in calls)  # no upstream rows
 
 
@@ -94,7 +102,7 @@ def test_our_rows_go_through_the_launcher_and_upstream_rows_through_upstreams_ow
     assert code == 0
     ours = [(n, a) for n, a, env in calls if env is None]
     theirs = {n: (a, env) for n, a, env in calls if env is not None}
-    assert len(ours) == len(side.MATRIX) and all(a[:3] == ["-m", "megatron_offload.run", script]
+    assert len(ours) == len(rows.MATRIX) and all(a[:3] == ["-m", "megatron_offload.run", script]
                                                  for _, a in ours)  # fmt: skip
     assert sorted(theirs) == ["log1-upstream-chunked-offload", "log1-upstream-no-offload"]
     chunked, env = theirs["log1-upstream-chunked-offload"]
@@ -105,7 +113,7 @@ def test_our_rows_go_through_the_launcher_and_upstream_rows_through_upstreams_ow
     assert "--chunked-optimizer-state-offload" not in plain and "--offload-optimizer-states" not in plain + chunked
     assert chunked[:-3] == plain  # same model and flags
     assert env["PYTHONPATH"].split(":")[0] == str(upstream.resolve())
-    assert env["MAKEFLAGS"].endswith(f"LIBEXT={side.sysconfig.get_config_var('EXT_SUFFIX')}")
+    assert env["MAKEFLAGS"].endswith(f"LIBEXT={sysconfig.get_config_var('EXT_SUFFIX')}")
 
 
 def test_upstream_rows_are_compared_with_upstreams_own_base(
@@ -116,7 +124,7 @@ def test_upstream_rows_are_compared_with_upstreams_own_base(
     losses = {"log1-upstream-no-offload": {1: 2.5}, "log1-upstream-chunked-offload": {1: 2.5}}  # not ours: {5: 1.0}
     args = ["--upstream-megatron-lm", str(upstream), "--out", str(tmp_path), "--log-intervals", "1"]
     code, _ = run_main(monkeypatch, args, fake_run(fails, step_ms, losses))
-    runs = side.json.loads((tmp_path / "side_by_side.json").read_text())["runs"]["log-interval 1"]
+    runs = json.loads((tmp_path / "side_by_side.json").read_text())["runs"]["log-interval 1"]
     assert code == 0
     assert runs["upstream chunked offload"]["x_base"] == pytest.approx(1.5)  # 30 / 20, not 30 / 10
     assert runs["upstream chunked offload"]["losses_equal"] is True
@@ -146,11 +154,11 @@ def test_profiled_runs_are_separate_and_their_traces_compared(
             "--profile-only"]  # fmt: skip
     code, calls = run_main(monkeypatch, args, fake_run(set()))
     assert code == 0
-    assert [name for name, _, _ in calls] == [f"profiled-{side.slug(n)}" for n in [*side.PROFILED, *UPSTREAM_ROWS]]
+    assert [name for name, _, _ in calls] == [f"profiled-{rows.slug(n)}" for n in [*rows.PROFILED, *UPSTREAM_ROWS]]
     for _, argv, _ in calls:
         assert argv[argv.index("--profile-step-start") + 1] == "7" and "--use-pytorch-profiler" in argv
-        assert argv[argv.index("--train-iters") + 1] == str(side.PROFILE_END + 1)
-    results = side.json.loads((tmp_path / "side_by_side.json").read_text())
+        assert argv[argv.index("--train-iters") + 1] == str(profile.PROFILE_END + 1)
+    results = json.loads((tmp_path / "side_by_side.json").read_text())
     assert results["runs"] == {}  # --profile-only: no timing runs, and no profiled time in the table
     trace = results["trace"]
     assert sorted(trace) == ["full offload (auto)", "prefetch step", "upstream chunked offload"]
@@ -171,42 +179,42 @@ def test_a_profiled_run_without_its_trace_is_a_failure(monkeypatch: pytest.Monke
     args = ["--out", str(tmp_path), "--log-intervals", "1", "--profile", "prefetch step", "--profile-only"]
     code, calls = run_main(monkeypatch, args, no_trace)
     assert code == 1 and [name for name, _, _ in calls] == ["profiled-no-offload", "profiled-prefetch-step"]
-    trace = side.json.loads((tmp_path / "side_by_side.json").read_text())["trace"]
+    trace = json.loads((tmp_path / "side_by_side.json").read_text())["trace"]
     assert trace["prefetch step"]["error"] == "no trace of no offload, prefetch step"
 
 
 def test_profile_plan_bases() -> None:
-    assert side.profile_plan(["upstream chunked offload"], True) == [
+    assert profile.profile_plan(["upstream chunked offload"], True) == [
         ("upstream no offload", None), ("upstream chunked offload", "upstream no offload")]  # fmt: skip
     # upstream's offload against our no-offload trace when only that one is profiled
-    assert side.profile_plan(["no offload", "upstream chunked offload"], True) == [
+    assert profile.profile_plan(["no offload", "upstream chunked offload"], True) == [
         ("no offload", None), ("upstream chunked offload", "no offload")]  # fmt: skip
-    assert side.profile_plan([], False) == [("no offload", None), ("full offload (auto)", "no offload"),
+    assert profile.profile_plan([], False) == [("no offload", None), ("full offload (auto)", "no offload"),
                                             ("prefetch step", "no offload")]  # fmt: skip
     with pytest.raises(SystemExit, match="cap 90%: step"):
-        side.profile_plan(["cap 90%: step"], False)
+        profile.profile_plan(["cap 90%: step"], False)
     with pytest.raises(SystemExit, match="upstream rows need"):
-        side.profile_plan(["upstream chunked offload"], False)
+        profile.profile_plan(["upstream chunked offload"], False)
 
 
 def test_prepare_upstream_borrows_the_installed_helpers_only_for_the_same_source(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, upstream: Path
 ) -> None:
-    suffix = side.sysconfig.get_config_var("EXT_SUFFIX")
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
     site = tmp_path / "site"
     (site / "megatron" / "core" / "datasets").mkdir(parents=True)
     (site / "megatron" / "core" / "datasets" / f"helpers_cpp{suffix}").write_bytes(b"\x7fELF built")
     (site / "megatron" / "core" / "datasets" / "helpers.cpp").write_text("int a;")
     (upstream / "megatron" / "core" / "datasets" / "helpers.cpp").write_text("int b;")
     monkeypatch.setattr(sys, "path", [str(site), *sys.path])
-    assert "builds them" in side.prepare_upstream(upstream)  # another source: upstream's make builds its own
+    assert "builds them" in side_upstream.prepare_upstream(upstream)  # another source: upstream's make builds its own
     assert not list((upstream / "megatron" / "core" / "datasets").glob("helpers_cpp*"))
     (upstream / "megatron" / "core" / "datasets" / "helpers.cpp").write_text("int a;")
-    assert "same helpers.cpp" in side.prepare_upstream(upstream)
+    assert "same helpers.cpp" in side_upstream.prepare_upstream(upstream)
     assert (upstream / "megatron" / "core" / "datasets" / f"helpers_cpp{suffix}").read_bytes() == b"\x7fELF built"
-    assert "already built" in side.prepare_upstream(upstream)
+    assert "already built" in side_upstream.prepare_upstream(upstream)
     with pytest.raises(SystemExit, match="no pretrain_gpt.py"):
-        side.prepare_upstream(tmp_path / "nowhere")
+        side_upstream.prepare_upstream(tmp_path / "nowhere")
 
 
 def test_the_summary_table_gives_each_trace_verdict(
@@ -228,9 +236,9 @@ def test_the_summary_table_gives_each_trace_verdict(
 def test_without_make_a_built_module_needs_none(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, upstream: Path
 ) -> None:
-    monkeypatch.setattr(side.shutil, "which", lambda name: None)
-    assert "PATH" not in side.upstream_env(upstream, tmp_path)  # nothing built: upstream's make must build it
+    monkeypatch.setattr(side_upstream.shutil, "which", lambda name: None)
+    assert "PATH" not in side_upstream.upstream_env(upstream, tmp_path)  # nothing built: upstream's make must build it
     (upstream / "megatron" / "core" / "datasets" / "helpers_cpp.so").write_bytes(b"")
-    env = side.upstream_env(upstream, tmp_path)
-    shim = Path(env["PATH"].split(side.os.pathsep)[0]) / "make"
-    assert side.subprocess.run([str(shim), "-C", "x"], capture_output=True).returncode == 0
+    env = side_upstream.upstream_env(upstream, tmp_path)
+    shim = Path(env["PATH"].split(os.pathsep)[0]) / "make"
+    assert subprocess.run([str(shim), "-C", "x"], capture_output=True).returncode == 0

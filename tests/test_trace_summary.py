@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import profiler_trace
 from benchmarks import trace_summary as ts
 from tests.chrome_traces import COMPUTE, busy_kernels, kernel, memcpy, step, write
 
@@ -35,8 +36,8 @@ def offload_events(copy_window_share: float = 0.8, rest_share: float = 0.8, leng
 
 def summary(tmp_path: Path, base: list[dict], offload: list[dict], **options: float) -> dict:
     """The comparison of the two traces, through files as the harness does it."""
-    base_trace = ts.load_trace(write(tmp_path / "b.json", base))
-    return ts.compare(base_trace, ts.load_trace(write(tmp_path / "o.json", offload)), **options)
+    base_trace = profiler_trace.load_trace(write(tmp_path / "b.json", base))
+    return ts.compare(base_trace, profiler_trace.load_trace(write(tmp_path / "o.json", offload)), **options)
 
 
 def test_copies_that_cost_nothing_pass_with_exact_figures(tmp_path: Path) -> None:
@@ -120,12 +121,12 @@ def test_busy_time_by_bisection_matches_brute_force() -> None:
     rng = random.Random(20)  # whole-ms spans and windows: the union counted cell by cell is exact
     spans = [(s, s + rng.randint(0, 40)) for s in (rng.randint(0, 1000) for _ in range(300))]
     covered = {cell for a, b in spans for cell in range(a, b)}
-    merged = ts.Intervals.merge([(float(a), float(b)) for a, b in spans])
+    merged = profiler_trace.Intervals.merge([(float(a), float(b)) for a, b in spans])
     for _ in range(300):
         t0 = rng.randint(-50, 1050)
         t1 = t0 + rng.randint(0, 200)
         assert merged.busy(t0, t1) == sum(1 for cell in range(t0, t1) if cell in covered)
-    assert merged.busy(10, 10) == 0.0 and ts.Intervals.merge([]).busy(0, 100) == 0.0
+    assert merged.busy(10, 10) == 0.0 and profiler_trace.Intervals.merge([]).busy(0, 100) == 0.0
 
 
 def test_command_line_exit_status_json_and_gzip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,139 @@
+"""The runs of the memory-speed sweep (``megatron_side_by_side.py --sweep``): the uncapped no-offload run (and
+upstream's), then ours under each cap; each cap's cells, the link and first forward the floor uses, then
+curve.json and curve.png, written as each cap's runs end. What the curve is, which cells run and which follow
+from an uncapped run, and the floor: memory_speed_curve.py.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+from benchmarks.memory_report import GIB, copy_gbps
+from benchmarks.memory_speed_curve import (
+    DEFAULT_LINK_GBPS,
+    NO_OFFLOAD,
+    OURS,
+    UPSTREAM_ROW,
+    cap_blind,
+    cap_plan,
+    cell,
+    estimate_s,
+    floor_ratio,
+    iterations_for,
+    median_ms,
+    plot,
+)
+
+
+def run_sweep(
+    args: Any,
+    clients: dict[str, list[str]],
+    env: dict,
+    run: Callable[..., dict],
+    flags: dict[str, list[str]],
+    head: dict[str, Any],
+) -> dict[str, Any]:
+    """The sweep: uncapped no offload (and upstream), then ours under each cap; JSON and plot after each
+    run. ``run`` is the harness's job runner; ``flags`` its "ours" and "upstream" offload flags."""
+    interval = args.log_intervals[0]
+    iters, window = iterations_for(interval)
+    tail = ["--train-iters", str(iters), "--log-interval", str(interval), "--log-memory-interval", str(iters)]
+    tail += ["--global-batch-size", str(args.global_batch)] if args.global_batch else []
+    tail += list(args.extra)
+    gb = f"gb{args.global_batch or 'cfg'}" + (f"-log{interval}" if interval > 1 else "")
+    result: dict[str, Any] = {**head, "global_batch": args.global_batch, "log_interval": interval,
+                              "train_iters": iters, "median_of_iterations": list(window), "caps": [],
+                              "runs": {}}  # fmt: skip
+    result["base"] = "ours, no offload, uncapped (upstream's rows too: same model and flags)"
+    result["floor"] = "1 + max(0, X / link - first forward) / iteration (X: the cap's saved bytes)"
+
+    def go(name: str, argv: list[str], extra_env: dict | None = None) -> dict[str, Any]:
+        figures = run(f"sweep-{gb}-{name}", argv, args.gpus, args.out, extra_env)
+        result["runs"][name] = {k: v for k, v in figures.items() if k not in ("losses", "step_ms_per_interval")}
+        return figures
+
+    base_run = go("no-offload", [*clients["ours"], *tail])
+    if "error" in base_run or median_ms(base_run, window) is None or "peak_reserved_GiB" not in base_run:
+        result["error"] = f"the uncapped no-offload run gave no figures: {base_run.get('error', 'no peak')}"
+        return result
+    base = {"ms_per_iter": median_ms(base_run, window), "losses": base_run["losses"]}
+    megatron = base_run.get("megatron_args", {})
+    dp = int(megatron.get("data_parallel_size", 1) or 1)
+    mbs, gbs = int(megatron.get("micro_batch_size", 2)), int(megatron.get("global_batch_size", args.global_batch or 8))
+    micro_batches = max(1, gbs // (mbs * dp))
+    state_gib = args.state_gib or 12 * base_run.get("parameters", 0) / dp / GIB
+    result |= {
+        "micro_batches": micro_batches,
+        "state": {
+            "GiB": state_gib,
+            "source": "--state-gib"
+            if args.state_gib
+            else "12 bytes x Megatron's parameter count (no-offload run) / data-parallel size",
+        },  # fmt: skip
+        "no_offload": cell(base_run, base, window) | {"losses_equal": True, "x_no_offload": 1.0},
+        "estimate_s": estimate_s(len(args.caps), micro_batches, "upstream" in clients),
+    }
+    if not state_gib:
+        result["error"] = "no parameter count in the no-offload run's log: give --state-gib"
+        return result
+    upstream_run = None
+    if "upstream" in clients:
+        upstream_run = go("upstream", [*clients["upstream"], *tail, *flags["upstream"]], env)
+    link = base_run.get("link_GBps") or (upstream_run or {}).get("link_GBps")
+    copied: list[float] = []  # the link each of our capped runs' copies out measured, GB/s
+    forward_ms = args.first_forward_ms or base["ms_per_iter"] / micro_batches / 3
+    for plan in cap_plan(base_run["peak_reserved_GiB"], state_gib, args.caps):
+        cap = plan["cap_GiB"]
+        capped = ["--offload-gpu-memory-cap-gib", f"{cap:.3f}"]
+        rows: dict[str, Any] = {}
+        for name, extra in OURS.items():
+            argv = [*clients["ours"], *tail, *flags["ours"], *extra, *capped]
+            figures = go(f"cap{plan['percent']}-{name.split()[0]}", argv)
+            rows[name] = cell(figures, base, window)
+            link = link or figures.get("link_GBps")
+            copied.extend(copy_out_gbps(figures))
+        if upstream_run is not None:
+            rows[UPSTREAM_ROW] = cap_blind(upstream_run, cap, cell(upstream_run, base, window)) or {
+                "outcome": "not run", "reason": "its uncapped peaks straddle the cap; our cap flag cannot reach "
+                "upstream's script"}  # fmt: skip
+        derived = None if args.run_every_cell else cap_blind(base_run, cap, result["no_offload"])
+        if derived is None:
+            derived = cell(go(f"cap{plan['percent']}-no-offload", [*clients["ours"], *tail, *capped]), base, window)
+        rows[NO_OFFLOAD] = derived
+        result["caps"].append(plan | {"rows": rows})
+        result["caps"].sort(key=lambda c: c["percent"])
+        finish(result, link, forward_ms, args, copied)
+    return result
+
+
+def copy_out_gbps(figures: dict[str, Any]) -> list[float]:
+    """The link one of our runs measured: its offloaded bytes over its copy-out time (GB/s); none where it
+    moved nothing or logged no copy time."""
+    link = copy_gbps((figures.get("offloaded_GiB") or 0) * GIB, (figures.get("copy_out_in_ms") or [None])[0])
+    return [link] if link else []
+
+
+def finish(result: dict[str, Any], link: float | None, forward_ms: float, args: Any, copied: list[float]) -> None:
+    """The link and first forward used, each cap's floor, then the JSON and the plot, written now."""
+    import json
+
+    if link:
+        result["link"] = {"GBps": link, "source": "logged by a run of this sweep"}
+    elif copied:
+        result["link"] = {
+            "GBps": statistics.median(copied),
+            "source": f"our copies out in this sweep (median of "
+            f"{len(copied)} run{'s' if len(copied) > 1 else ''}: offloaded bytes / copy-out time)",
+        }
+    else:
+        result["link"] = {"GBps": args.link_gbps, "source": f"not measured in this run: --link-gbps {args.link_gbps:g}"
+                          + (" (the default)" if args.link_gbps == DEFAULT_LINK_GBPS else "")}  # fmt: skip
+    source = "--first-forward-ms" if args.first_forward_ms else "no-offload ms/iter / micro-batches / 3"
+    result["first_forward"] = {"ms": forward_ms, "source": source}
+    for plan in result["caps"]:
+        plan["floor_x"] = floor_ratio(plan["saved_GiB"] * GIB, result["link"]["GBps"], forward_ms,
+                                      result["no_offload"]["ms_per_iter"])  # fmt: skip
+    result["plot"] = plot(result, args.out / "curve.png")
+    (args.out / "curve.json").write_text(json.dumps(result, indent=1, default=str))
