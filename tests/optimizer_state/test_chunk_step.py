@@ -1,11 +1,12 @@
-"""The chunked update: torch's own functional Adam per chunk, bitwise equal to one ``step()``."""
+"""The chunked update: torch's own functional Adam per chunk, bitwise equal to one ``step()``; other
+optimizers step themselves over the chunk, and count one step however many chunks there are."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megatron_offload.optimizer_state.chunk_step import ChunkStepper
+from megatron_offload.optimizer_state.chunk_step import ChunkStepper, RestrictedStep
 
 
 def params_and_grads(seed: int) -> list[torch.nn.Parameter]:
@@ -51,3 +52,30 @@ def test_other_optimizers_step_themselves_over_the_chunk() -> None:
     before = [p.detach().clone() for p in params]
     stepper(params[:2])
     assert not torch.equal(params[0], before[0]) and torch.equal(params[3], before[3])  # only the chunk moved
+
+
+class GroupCountingAdam(torch.optim.Optimizer):
+    """Counts steps per param group, as apex's and TransformerEngine's FusedAdam do."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            for param in group["params"]:
+                param.add_(param.grad, alpha=-group["lr"] / group["step"])
+
+
+def test_restricted_step_counts_one_step_however_many_chunks() -> None:
+    params = [torch.nn.Parameter(torch.ones(4)) for _ in range(3)]
+    optimizer = GroupCountingAdam(params)
+    for param in params:
+        param.grad = torch.ones(4)
+    stepper = RestrictedStep(optimizer)
+    for param in params:
+        stepper([param])
+    assert optimizer.param_groups[0]["step"] == 1
+    assert len(optimizer.param_groups[0]["params"]) == 3
+    assert all(torch.equal(p, torch.full((4,), 0.9)) for p in params)

@@ -16,7 +16,7 @@ from megatron_offload.optimizer_state import streamed_step
 from megatron_offload.optimizer_state.chunk_step import ChunkStepper
 from megatron_offload.optimizer_state.share_out import StepWindow
 from tests.gates import Gate
-from tests.optimizer_state.test_engine_cpu import assert_same_training_state, many_masters, offloader_for, set_grads
+from tests.optimizer_state.cpu_engine import assert_same_training_state, many_masters, offloader_for, set_grads
 
 
 class Recording(HostStreams):

@@ -20,7 +20,7 @@ from megatron_offload.optimizer_state import streamed_step
 from megatron_offload.optimizer_state.chunk_step import ChunkStepper
 from megatron_offload.optimizer_state.plan import ALIGN
 from megatron_offload.optimizer_state.staging_ring import places
-from tests.optimizer_state.test_engine_cpu import (
+from tests.optimizer_state.cpu_engine import (
     adam_with_masters,
     assert_same_training_state,
     offloader_for,

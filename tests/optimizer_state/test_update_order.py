@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from megatron_offload.optimizer_state import streamed_step
 from megatron_offload.optimizer_state.chunk_step import ChunkStepper
-from tests.optimizer_state.test_engine_cpu import assert_same_training_state, many_masters, offloader_for, set_grads
+from tests.optimizer_state.cpu_engine import assert_same_training_state, many_masters, offloader_for, set_grads
 
 
 def test_kept_chunks_are_updated_before_those_that_came_back() -> None:
