@@ -19,7 +19,7 @@ from benchmarks import compare_memory, memory_runs
 from benchmarks.memory_plots import allocated_timeline
 from benchmarks.memory_report import parse_log
 from benchmarks.memory_summary import summarize
-from tests.test_compare_memory import DATA, failing, logs_dir, verdict
+from tests.compare_memory_helpers import DATA, failing, logs_dir, verdict
 
 
 def test_a_timeline_command_is_its_rows_with_the_history_for_a_few_iterations(tmp_path: Path) -> None:
