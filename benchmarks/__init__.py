@@ -25,6 +25,7 @@ __all__ = [
     "side_by_side_table",
     "side_by_side_upstream",
     "sleep_wake",
+    "step_link",
     "summarize",
     "trace_summary",
     "weight_streaming",

@@ -102,10 +102,9 @@ def _direction(name: str) -> str | None:
     return None
 
 
-def load_trace(path: str | Path, min_copy_bytes: int = MIB) -> Trace:
-    """Read a chrome trace (``.json`` or ``.json.gz``): ProfilerStep spans, the compute stream (most
-    kernel time), its busy intervals, and the memcpy events of at least ``min_copy_bytes`` in either
-    direction between host and device on any other stream."""
+def read_events(path: str | Path) -> list[dict[str, Any]]:
+    """The complete events (``ph`` X, with a start and a duration) of a chrome trace (``.json`` or
+    ``.json.gz``)."""
     path = str(path)
     opener = gzip.open if path.endswith(".gz") else open
     try:
@@ -116,7 +115,15 @@ def load_trace(path: str | Path, min_copy_bytes: int = MIB) -> Trace:
     events = data.get("traceEvents") if isinstance(data, dict) else data
     if not isinstance(events, list):
         raise TraceError(f"{path}: no traceEvents list")
-    complete = [e for e in events if isinstance(e, dict) and e.get("ph") == "X" and "dur" in e and "ts" in e]
+    return [e for e in events if isinstance(e, dict) and e.get("ph") == "X" and "dur" in e and "ts" in e]
+
+
+def load_trace(path: str | Path, min_copy_bytes: int = MIB, complete: list[dict[str, Any]] | None = None) -> Trace:
+    """Read a chrome trace: ProfilerStep spans, the compute stream (most kernel time), its busy
+    intervals, and the memcpy events of at least ``min_copy_bytes`` in either direction between host and
+    device on any other stream. ``complete``: its events, read already (``read_events``)."""
+    path = str(path)
+    complete = read_events(path) if complete is None else complete
     steps = sorted(
         (
             Step(str(e["name"]), float(e["ts"]), float(e["ts"]) + float(e["dur"]))

@@ -19,10 +19,25 @@ def step(number: int, start_ms: float, length_ms: float) -> dict[str, Any]:
             "ts": start_ms * MS, "dur": length_ms * MS}  # fmt: skip
 
 
-def kernel(start_ms: float, length_ms: float, stream: int = COMPUTE) -> dict[str, Any]:
-    """A kernel on ``stream``."""
+def kernel(start_ms: float, length_ms: float, stream: int = COMPUTE, correlation: int | None = None) -> dict[str, Any]:
+    """A kernel on ``stream``; with ``correlation``, tied to the launch of that id."""
+    args: dict[str, Any] = {"device": 0, "stream": stream}
+    if correlation is not None:
+        args["correlation"] = correlation
     return {"ph": "X", "cat": "kernel", "name": "ampere_bf16_gemm", "pid": 0, "tid": stream, "ts": start_ms * MS,
-            "dur": length_ms * MS, "args": {"device": 0, "stream": stream}}  # fmt: skip
+            "dur": length_ms * MS, "args": args}  # fmt: skip
+
+
+def annotation(name: str, start_ms: float, length_ms: float) -> dict[str, Any]:
+    """A ``record_function`` range on the training thread."""
+    return {"ph": "X", "cat": "user_annotation", "name": name, "pid": 100, "tid": 100, "ts": start_ms * MS,
+            "dur": length_ms * MS}  # fmt: skip
+
+
+def launch(at_ms: float, correlation: int) -> dict[str, Any]:
+    """The training thread's ``cudaLaunchKernel`` of the kernel with the same ``correlation``."""
+    return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 100, "tid": 100,
+            "ts": at_ms * MS, "dur": 0.005 * MS, "args": {"correlation": correlation}}  # fmt: skip
 
 
 def memcpy(start_ms: float, length_ms: float, direction: str, mib: float = 64, stream: int | None = None) -> dict:
