@@ -9,7 +9,8 @@ chunks where the step streams state), from the first to the last in the iteratio
 starts, the compute stream's busy time, each copy direction's bytes and busy time; the same for the
 ``--before-ms`` before the span (the last backward, where state may come back early); and the
 host-to-device link's idle gaps longer than ``--gap-ms`` inside the span, where the step could have been
-bringing state in and was not.
+bringing state in and was not; and how long the copies out it queued keep the device-to-host link busy past
+its end.
 
     python -m benchmarks.step_link TRACE [--range Optimizer.step] [--before-ms 80] [--gap-ms 1] [--json OUT]
 
@@ -95,6 +96,20 @@ def idle_gaps(trace: Trace, t0: float, t1: float, gap_ms: float) -> list[tuple[f
     return gaps
 
 
+def d2h_tail(trace: Trace, t1: float, gap_ms: float) -> float:
+    """Ms the device-to-host link stays busy past ``t1`` (pauses up to ``gap_ms`` bridged): copies out the step
+    queued. Megatron reads a value right after the step, and its 4-byte copy out waits behind them."""
+    busy = Intervals.merge([(c["start"], c["end"]) for c in trace.copy_events if c["dir"] == "d2h"])
+    end = t1
+    for start, stop in zip(busy.starts, busy.ends, strict=True):
+        if stop <= t1:
+            continue
+        if start - end > gap_ms * MS:
+            break
+        end = max(end, stop)
+    return round((end - t1) / MS, 1)
+
+
 def summarize(path: str | Path, prefix: str = "Optimizer.step", before_ms: float = 80.0, gap_ms: float = 1.0) -> list:
     """One entry per profiled iteration (see the module's text); ``step`` None where no range was found."""
     complete = read_events(path)
@@ -111,6 +126,7 @@ def summarize(path: str | Path, prefix: str = "Optimizer.step", before_ms: float
                 "link": _link(trace, t0, t1),
                 "before": _link(trace, t0 - before_ms * MS, t0),
                 "h2d_idle": idle_gaps(trace, t0, t1, gap_ms),
+                "d2h_after_ms": d2h_tail(trace, t1, gap_ms),
             }
         rows.append(row)
     return rows
@@ -132,7 +148,8 @@ def text(rows: list, prefix: str, before_ms: float, gap_ms: float) -> str:
             f"d2h {link['d2h']['GiB']:.2f} GiB, busy {link['d2h']['busy_ms']:.1f} ms",
             f"  {before_ms:g} ms before it: h2d {before['h2d']['GiB']:.2f} GiB, busy {before['h2d']['busy_ms']:.1f} "
             f"ms | d2h {before['d2h']['GiB']:.2f} GiB, busy {before['d2h']['busy_ms']:.1f} ms",
-            f"  h2d idle over {gap_ms:g} ms in the step (from+length, ms): {gaps}",
+            f"  h2d idle over {gap_ms:g} ms in the step (from+length, ms): {gaps}; d2h busy "
+            f"{step['d2h_after_ms']:.1f} ms past its end",
         ]
     return "\n".join(lines) + "\n"
 

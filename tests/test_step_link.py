@@ -17,7 +17,7 @@ STEP_NAME = "Optimizer.step#AdamW.step"
 def one_iteration() -> list[dict]:
     """Iteration 12 (0-600 ms). Two step ranges on the host launch kernels that run at 400-410 and 480-500 ms;
     a kernel launched before them (the backward's) runs at 250 ms. Copies in at 330-390 (before the step),
-    400-430 and 450-480 ms (1 GiB each), a copy out at 470-495 ms (0.5 GiB)."""
+    400-430 and 450-480 ms (1 GiB each), copies out at 470-495 ms (0.5 GiB), 495.5-510 and 530-540 ms."""
     return [
         step(12, 0, 600),
         annotation(STEP_NAME, 300, 1),
@@ -34,6 +34,8 @@ def one_iteration() -> list[dict]:
         memcpy(400, 30, "h2d", mib=1024),
         memcpy(450, 30, "h2d", mib=1024),
         memcpy(470, 25, "d2h", mib=512),
+        memcpy(495.5, 14.5, "d2h", mib=256),
+        memcpy(530, 10, "d2h", mib=128),
     ]
 
 
@@ -43,15 +45,17 @@ def test_the_step_span_and_the_link_in_it_and_before_it(tmp_path: Path) -> None:
     assert row["iteration"] == "ProfilerStep#12"
     assert got["from_ms"] == 400.0 and got["length_ms"] == 100.0  # the kernel launched at 200.5 ms is not the step's
     assert got["compute_busy_ms"] == 40.0  # 10 + 20 launched in the step, and 10 between them
-    assert got["link"] == {"h2d": {"GiB": 2.0, "busy_ms": 60.0}, "d2h": {"GiB": 0.5, "busy_ms": 25.0}}
+    assert got["link"] == {"h2d": {"GiB": 2.0, "busy_ms": 60.0}, "d2h": {"GiB": 0.75, "busy_ms": 29.5}}
     assert got["before"] == {"h2d": {"GiB": 0.5, "busy_ms": 60.0}, "d2h": {"GiB": 0.0, "busy_ms": 0.0}}
     assert got["h2d_idle"] == [(30.0, 20.0), (80.0, 20.0)]  # between the copies in, and after the last one
+    assert got["d2h_after_ms"] == 10.0  # the copy out to 510 ms (a 0.5 ms pause bridged); the one at 530 is later
 
 
 def test_gaps_shorter_than_the_bar_and_other_range_names(tmp_path: Path) -> None:
     path = write(tmp_path / "t.json", one_iteration())
     (row,) = step_link.summarize(path, gap_ms=25)
     assert row["step"]["h2d_idle"] == []
+    assert row["step"]["d2h_after_ms"] == 40.0  # pauses up to 25 ms bridged: through the copy out at 530-540
     (row,) = step_link.summarize(path, prefix="Optimizer.zero_grad")
     assert row["step"]["from_ms"] == 250.0 and row["step"]["length_ms"] == 40.0
     (row,) = step_link.summarize(path, prefix="mo.streamed_step.run")  # not in this trace
@@ -65,8 +69,9 @@ def test_command_line_gzip_json_and_an_unreadable_trace(tmp_path: Path, capsys: 
     assert step_link.main([str(path), "--json", str(tmp_path / "out.json")]) == 0
     out = capsys.readouterr().out
     assert "the step on the device 100.0 ms, from 400.0 ms into the iteration; compute stream busy 40.0 ms" in out
-    assert "in the step: h2d 2.00 GiB, busy 60.0 ms | d2h 0.50 GiB, busy 25.0 ms" in out
-    assert "80 ms before it: h2d 0.50 GiB, busy 60.0 ms" in out and "(from+length, ms): 30+20 80+20" in out
+    assert "in the step: h2d 2.00 GiB, busy 60.0 ms | d2h 0.75 GiB, busy 29.5 ms" in out
+    assert "80 ms before it: h2d 0.50 GiB, busy 60.0 ms" in out
+    assert "(from+length, ms): 30+20 80+20; d2h busy 10.0 ms past its end" in out
     assert json.loads((tmp_path / "out.json").read_text())[0]["step"]["length_ms"] == 100.0
     (tmp_path / "bad.json").write_text("{")
     assert step_link.main([str(tmp_path / "bad.json")]) == 2
