@@ -7,8 +7,8 @@ sleep (said in the log). Where the state already lives on the host between steps
 is pinned twice.
 
 ``SleepParts`` holds the parts (optimizer offloaders; flat device buffers, parked whole), checks that
-the host has room for what they would newly pin, and pins it; ``Sleeper`` (sleeper.py) builds on it
-to move them. Of the engine it uses ``prepare()`` and ``estimated_host_bytes()``.
+the host has room for what they would newly pin, and pins it; a ``Sleeper`` (sleeper.py) holds one and
+moves them. Of the engine it uses ``prepare()`` and ``estimated_host_bytes()``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from megatron_offload.optimizer_state.offloader import OptimizerStateOffloader
 from megatron_offload.sleep.parked_buffers import ParkedBuffers, Transfer
 from megatron_offload.sleep.report import SleepError, SleepReport
 
-__all__ = ["SleepParts"]
+__all__ = ["OPTIMIZER", "SleepParts"]
+
+OPTIMIZER = "optimizer"  # the part name of the optimizer state; every other part is a set of buffers
 
 
 class SleepParts:
@@ -34,8 +36,6 @@ class SleepParts:
     was pinned already (an attached handle's). ``buffers`` maps a part name to the tensors whose
     storages it parks.
     """
-
-    OPTIMIZER = "optimizer"
 
     def __init__(
         self,
@@ -55,26 +55,26 @@ class SleepParts:
 
     @property
     def parts(self) -> tuple[str, ...]:
-        return (self.OPTIMIZER, *self.buffers)
+        return (OPTIMIZER, *self.buffers)
 
-    def _names(self, parts: Sequence[str], what: str) -> tuple[str, ...]:
+    def names(self, parts: Sequence[str], what: str) -> tuple[str, ...]:
         names = tuple(dict.fromkeys(parts))
         unknown = [name for name in names if name not in self.parts]
         if unknown or not names:
             raise SleepError(f"cannot {what} {unknown or 'nothing'}: choose among {', '.join(self.parts)}")
         return names
 
-    def _pinned(self, name: str) -> bool:
-        return self._state_pinned if name == self.OPTIMIZER else self.buffers[name].slab is not None
+    def pinned(self, name: str) -> bool:
+        return self._state_pinned if name == OPTIMIZER else self.buffers[name].slab is not None
 
     def host_bytes_needed(self, parts: Sequence[str]) -> int:
         """Host memory a prepare or sleep of ``parts`` would newly pin (slabs that exist are reused)."""
         needed = sum(self.buffers[name].host_bytes_needed() for name in parts if name in self.buffers)
-        if self.OPTIMIZER in parts and not self._state_pinned:
+        if OPTIMIZER in parts and not self._state_pinned:
             needed += sum(o.estimated_host_bytes() for o in self.offloaders)
         return needed
 
-    def _check_host_room(self, parts: Sequence[str], what: str) -> None:
+    def check_host_room(self, parts: Sequence[str], what: str) -> None:
         needed = self.host_bytes_needed(parts)
         available = available_host_bytes()
         if needed > available * HOST_MEMORY_HEADROOM:
@@ -87,17 +87,17 @@ class SleepParts:
         """Pin the host memory a sleep of ``parts`` needs, now (about 0.5 s per GiB; a progress line per
         slab on the first rank), so that the first sleep runs at the link's speed. Nothing moves; safe to
         call again (slabs that exist are kept). Call it at setup, before the first rollout."""
-        names = self._names(parts, "prepare")
-        self._check_host_room(names, "prepare")
+        names = self.names(parts, "prepare")
+        self.check_host_room(names, "prepare")
         report = SleepReport("prepare")
         start = time.perf_counter()
-        report.transfers = [self._pin(name) for name in names]
+        report.transfers = [self.pin(name) for name in names]
         report.seconds = time.perf_counter() - start
         return report
 
-    def _pin(self, name: str) -> Transfer:
+    def pin(self, name: str) -> Transfer:
         start = time.perf_counter()
-        if name != self.OPTIMIZER:
+        if name != OPTIMIZER:
             nbytes = self.buffers[name].prepare()
         elif self._state_pinned:
             nbytes = 0  # in the handle's slab, or pinned before

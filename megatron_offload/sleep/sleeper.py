@@ -7,7 +7,7 @@ returns it to the device (``torch.cuda.empty_cache()``), so ``torch.cuda.mem_get
 to other processes. ``wake()`` brings it all back, bitwise, into the same tensor objects.
 
 The parts, and the host memory that ``prepare()`` at setup (or else the first sleep) pins for them,
-are parts.py's (``SleepParts``, which ``Sleeper`` builds on); what each call returns or raises is
+are parts.py's (``SleepParts``, which a ``Sleeper`` holds as ``held``); what each call returns or raises is
 report.py's.
 
 The parts of a sleep or wake go over the link one after another, never beside each other: the
@@ -35,7 +35,7 @@ from megatron_offload.core.streams import Event, streams_for
 from megatron_offload.core.units import GIB
 from megatron_offload.optimizer_state.offloader import OptimizerStateOffloader
 from megatron_offload.sleep.parked_buffers import DEFAULT_CHUNK_BYTES, ParkedBuffers, Transfer
-from megatron_offload.sleep.parts import SleepParts
+from megatron_offload.sleep.parts import OPTIMIZER, SleepParts
 from megatron_offload.sleep.report import SleepError, SleepReport, device_memory
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "ParkedBuffers", "Sleeper", "Transfer"]
@@ -43,7 +43,7 @@ __all__ = ["DEFAULT_CHUNK_BYTES", "ParkedBuffers", "Sleeper", "Transfer"]
 logger = logging.getLogger(__name__)
 
 
-class Sleeper(SleepParts):
+class Sleeper:
     """Sleep and wake for a set of named parts; one sleep at a time, each refused before anything moves.
 
     ``offloaders`` hold the optimizer state (and fp32 masters). With ``state_lives_on_host`` (the state
@@ -64,9 +64,10 @@ class Sleeper(SleepParts):
         pin_memory: bool = True,
         device: torch.device | None = None,
     ) -> None:
-        super().__init__(
+        self.held = SleepParts(
             offloaders, buffers, state_lives_on_host=state_lives_on_host, chunk_bytes=chunk_bytes, pin_memory=pin_memory
         )
+        self.offloaders, self.buffers = self.held.offloaders, self.held.buffers  # the parts: held's, read here
         self.busy = busy
         self.asleep: tuple[str, ...] = ()  # the parts the current sleep moved; empty while awake
         self.last_report: SleepReport | None = None
@@ -81,6 +82,13 @@ class Sleeper(SleepParts):
     @property
     def is_asleep(self) -> bool:
         return bool(self.asleep)
+
+    def prepare(self, parts: Sequence[str] = (OPTIMIZER,)) -> SleepReport:
+        """Pin the host memory a sleep of ``parts`` needs, now, at setup (``SleepParts.prepare``)."""
+        return self.held.prepare(parts)
+
+    def host_bytes_needed(self, parts: Sequence[str]) -> int:
+        return self.held.host_bytes_needed(parts)
 
     # ---------------------------------------------------------------------------------- copies
     @property
@@ -108,11 +116,11 @@ class Sleeper(SleepParts):
         reason = self.busy()
         if reason:
             raise SleepError(f"cannot sleep {reason}: call sleep() between training steps")
-        self._check_host_room(parts, "sleep")
+        self.held.check_host_room(parts, "sleep")
 
-    def sleep(self, parts: Sequence[str] = (SleepParts.OPTIMIZER,)) -> SleepReport:
+    def sleep(self, parts: Sequence[str] = (OPTIMIZER,)) -> SleepReport:
         """Move ``parts`` to pinned host memory and give their device memory back to the device."""
-        names = self._names(parts, "sleep")
+        names = self.held.names(parts, "sleep")
         self._check(names)
         if self._on_cuda:
             # Cached blocks freed earlier (activations) would otherwise count as what this sleep gave back.
@@ -120,7 +128,7 @@ class Sleeper(SleepParts):
         free, allocated, _ = device_memory()
         report = SleepReport("sleep", device_free_before=free, allocated_before=allocated)
         start = time.perf_counter()
-        report.pinned = [self._pin(name) for name in names if not self._pinned(name)]
+        report.pinned = [self.held.pin(name) for name in names if not self.held.pinned(name)]
         if report.pinned:
             logger.warning(
                 "megatron-offload: the first sleep pinned %.2f GiB of host memory on the way (%.1f s): call "
@@ -145,11 +153,11 @@ class Sleeper(SleepParts):
             # the buffers' on the link (one part at a time, each timed on its own), and keeps compute work
             # from writing a buffer before its copy has read it.
             streams.compute_waits(link)
-        if self.OPTIMIZER in names:
+        if OPTIMIZER in names:
             began = link or streams.mark(timed=True)
             moved = self._offload_state()  # returns once the state's copies have landed
             landed = streams.mark(timed=True)  # nothing else is queued on the compute stream: reached at once
-            timed.append((Transfer(self.OPTIMIZER, moved, 0.0), began, landed))
+            timed.append((Transfer(OPTIMIZER, moved, 0.0), began, landed))
         # On the host: a buffer's device memory is freed next, so its copies must have landed.
         queue.drain()
         for part in buffers:
@@ -209,20 +217,20 @@ class Sleeper(SleepParts):
             # Compute work must not read a buffer before its copy has landed; and the engine's copies,
             # which it orders after the compute stream's queued work, go behind the buffers' on the link.
             streams.compute_waits(link)
-        if self.OPTIMIZER in self.asleep and not self.state_lives_on_host:
+        if OPTIMIZER in self.asleep and not self.held.state_lives_on_host:
             began = link or streams.mark(timed=True)
             moved = sum(o.offloaded_bytes for o in self.offloaders)
             for offloader in self.offloaders:
                 offloader.wait()  # the compute stream is ordered after its copies, on the device
             # Reached once the engine's copies landed: the compute stream waits for them.
-            timed.append((Transfer(self.OPTIMIZER, moved, 0.0), began, streams.mark(timed=True)))
+            timed.append((Transfer(OPTIMIZER, moved, 0.0), began, streams.mark(timed=True)))
         # On the host: when wake() returns every byte is in place (and the times are the transfers').
         queue.drain()
         report.transfers = self._timed(timed)
         report.seconds = time.perf_counter() - start
-        if self.OPTIMIZER in self.asleep and self.state_lives_on_host:
+        if OPTIMIZER in self.asleep and self.held.state_lives_on_host:
             # The attached handle brings the state back during the next step, as after any step.
-            report.transfers.append(Transfer(self.OPTIMIZER, 0, 0.0))
+            report.transfers.append(Transfer(OPTIMIZER, 0, 0.0))
         report.device_free_after, report.allocated_after, report.reserved_after = device_memory()
         self.asleep, self.last_report = (), report
         return report
@@ -231,7 +239,7 @@ class Sleeper(SleepParts):
         """Wake if asleep, give every tensor its own device storage back and free every host slab."""
         if self.asleep:
             self.wake()
-        if not self.state_lives_on_host:
+        if not self.held.state_lives_on_host:
             for offloader in self.offloaders:
                 offloader.restore()
         for part in self.buffers.values():
