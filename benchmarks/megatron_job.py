@@ -1,5 +1,5 @@
-"""One Megatron training job under torchrun, and its figures from the log: time per iteration (the first
-logged interval left out), losses, our log line's offload fields, peaks, and why a job that failed did not
+"""One Megatron training job under torchrun, and its figures from the log: time per iteration (the slow
+first iterations left out, ``steady``), losses, our log line's offload fields, peaks, and why a job that failed did not
 run. megatron_side_by_side.py's rows and sweep and weight_streaming.py's rows each run through ``run``.
 """
 
@@ -20,6 +20,21 @@ from benchmarks.run_logs import did_not_fit, failure_reason, logged_link_gbps
 from megatron_offload.config.files import needs_one_connection
 
 ROOT = Path(__file__).resolve().parents[1]
+STEADY_FROM = 3  # the first two iterations build and warm up (1.5-4 s against about 0.6)
+
+
+def steady(iterations: list[int]) -> list[int]:
+    """The logged iterations a median of time per iteration counts: at ``--log-interval`` 1, iterations 3 on;
+    at k > 1 (each line the mean of the k iterations before it), the lines from 2k on, as the memory-speed
+    sweep counts them. The interval is read from the logged numbers; where nothing qualifies, all but the
+    first line (or that one alone)."""
+    if len(iterations) >= 2:
+        gaps = [b - a for a, b in zip(iterations, iterations[1:], strict=False)]
+        interval = max(set(gaps), key=gaps.count)
+    else:
+        interval = 1
+    counted = [i for i in iterations if i >= max(STEADY_FROM, 2 * interval)]
+    return counted or iterations[1:] or iterations
 
 
 def run(name: str, argv: list[str], gpus: int, out: Path, env_extra: dict[str, str] | None = None) -> dict[str, Any]:
@@ -44,11 +59,10 @@ def run(name: str, argv: list[str], gpus: int, out: Path, env_extra: dict[str, s
         print(f"[{name}] did not run: {reason}", flush=True)
         return figures | {"error": reason, "did_not_fit": did_not_fit(reason)}
     iterations = sorted(log.steps)
-    steady = iterations[1:] or iterations  # the first interval holds the first, slow iterations
     last = log.steps[iterations[-1]]
     figures |= {
         "losses": {i: log.steps[i].loss for i in iterations},
-        "step_ms": statistics.median(log.steps[i].step_ms for i in steady),
+        "step_ms": statistics.median(log.steps[i].step_ms for i in steady(iterations)),
         "step_ms_per_interval": [log.steps[i].step_ms for i in iterations],
         "step_ms_by_iteration": {i: log.steps[i].step_ms for i in iterations},
         "offloaded_GiB": last.offloaded_gib,

@@ -3,9 +3,10 @@ by side on one machine: the speed and the memory users see.
 
 Clients: our ``scripts/pretrain_gpt.py``, and Megatron-LM's own ``pretrain_gpt.py`` (a checkout of
 NVIDIA/Megatron-LM at the branch matching megatron-core, not part of this repository) through our
-launcher. Time per iteration is Megatron's own "elapsed time per iteration" at each log interval, the
-first interval (warm-up) left out; memory is Megatron's memory report and our log line; losses must
-be bitwise the same as without offloading. Then under a GPU memory cap of the no-offload
+launcher. Time per iteration is the median of Megatron's own "elapsed time per iteration" from iteration 3
+on (at a log interval k > 1, the lines from 2k on: the first hold the slow first iterations; pass
+``--train-iters`` of 6k or more there for several lines); memory is Megatron's memory report and our log
+line; losses must be bitwise the same as without offloading. Then under a GPU memory cap of the no-offload
 peak less 90% of the state (``--offload-gpu-memory-cap-gib``): no offload must fail, every policy run;
 under a cap of the no-offload peak less 50% of the state, ``--offload-fraction auto``. Each at every
 ``--log-intervals`` (Megatron synchronises the device at each logged iteration).
