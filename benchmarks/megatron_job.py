@@ -16,11 +16,11 @@ from typing import Any
 
 from benchmarks import phase_lines
 from benchmarks.memory_report import GIB, MIB, parse_log
+from benchmarks.memory_speed_curve import MEDIAN_FROM
 from benchmarks.run_logs import did_not_fit, failure_reason, logged_link_gbps
 from megatron_offload.config.files import needs_one_connection
 
 ROOT = Path(__file__).resolve().parents[1]
-STEADY_FROM = 3  # the first two iterations build and warm up (1.5-4 s against about 0.6)
 
 
 def steady(iterations: list[int]) -> list[int]:
@@ -33,7 +33,7 @@ def steady(iterations: list[int]) -> list[int]:
         interval = max(set(gaps), key=gaps.count)
     else:
         interval = 1
-    counted = [i for i in iterations if i >= max(STEADY_FROM, 2 * interval)]
+    counted = [i for i in iterations if i >= max(MEDIAN_FROM, 2 * interval)]
     return counted or iterations[1:] or iterations
 
 

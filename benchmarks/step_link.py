@@ -68,20 +68,29 @@ def step_spans(complete: list[dict[str, Any]], steps: list[Step], prefix: str) -
     return spans
 
 
-def _link(trace: Trace, t0: float, t1: float) -> dict[str, dict[str, float]]:
-    """Each direction's GiB (copies that start inside) and busy ms in [t0, t1)."""
+Links = dict[str, tuple[list[dict[str, Any]], Intervals]]  # per direction: its copies, their busy intervals
+
+
+def links(trace: Trace) -> Links:
+    """Each copy direction's copies and their merged busy intervals, made once per trace."""
     out = {}
     for direction in ("h2d", "d2h"):
         copies = [c for c in trace.copy_events if c["dir"] == direction]
-        busy = Intervals.merge([(c["start"], c["end"]) for c in copies]).busy(t0, t1)
-        nbytes = sum(c["bytes"] for c in copies if t0 <= c["start"] < t1)
-        out[direction] = {"GiB": round(nbytes / GIB, 3), "busy_ms": round(busy / MS, 2)}
+        out[direction] = (copies, Intervals.merge([(c["start"], c["end"]) for c in copies]))
     return out
 
 
-def idle_gaps(trace: Trace, t0: float, t1: float, gap_ms: float) -> list[tuple[float, float]]:
-    """The host-to-device link's idle stretches longer than ``gap_ms`` in [t0, t1): (ms from t0, ms long)."""
-    busy = Intervals.merge([(c["start"], c["end"]) for c in trace.copy_events if c["dir"] == "h2d"])
+def _link(link: Links, t0: float, t1: float) -> dict[str, dict[str, float]]:
+    """Each direction's GiB (copies that start inside) and busy ms in [t0, t1)."""
+    out = {}
+    for direction, (copies, busy) in link.items():
+        nbytes = sum(c["bytes"] for c in copies if t0 <= c["start"] < t1)
+        out[direction] = {"GiB": round(nbytes / GIB, 3), "busy_ms": round(busy.busy(t0, t1) / MS, 2)}
+    return out
+
+
+def idle_gaps(busy: Intervals, t0: float, t1: float, gap_ms: float) -> list[tuple[float, float]]:
+    """The stretches longer than ``gap_ms`` in [t0, t1) outside ``busy``: (ms from t0, ms long)."""
     gaps, at = [], t0
     for start, end in zip(busy.starts, busy.ends, strict=True):
         if end <= t0:
@@ -96,10 +105,9 @@ def idle_gaps(trace: Trace, t0: float, t1: float, gap_ms: float) -> list[tuple[f
     return gaps
 
 
-def d2h_tail(trace: Trace, t1: float, gap_ms: float) -> float:
-    """Ms the device-to-host link stays busy past ``t1`` (pauses up to ``gap_ms`` bridged): copies out the step
-    queued. Megatron reads a value right after the step, and its 4-byte copy out waits behind them."""
-    busy = Intervals.merge([(c["start"], c["end"]) for c in trace.copy_events if c["dir"] == "d2h"])
+def busy_past(busy: Intervals, t1: float, gap_ms: float) -> float:
+    """Ms ``busy`` runs on past ``t1`` (pauses up to ``gap_ms`` bridged). For the device-to-host link: the copies
+    out the step queued; Megatron reads a value right after the step, and its 4-byte copy out waits behind them."""
     end = t1
     for start, stop in zip(busy.starts, busy.ends, strict=True):
         if stop <= t1:
@@ -114,6 +122,7 @@ def summarize(path: str | Path, prefix: str = "Optimizer.step", before_ms: float
     """One entry per profiled iteration (see the module's text); ``step`` None where no range was found."""
     complete = read_events(path)
     trace = load_trace(path, complete=complete)
+    link = links(trace)
     rows = []
     for step, span in zip(trace.steps, step_spans(complete, trace.steps, prefix), strict=True):
         row: dict[str, Any] = {"iteration": step.name, "step": None}
@@ -123,10 +132,10 @@ def summarize(path: str | Path, prefix: str = "Optimizer.step", before_ms: float
                 "from_ms": round((t0 - step.start) / MS, 1),
                 "length_ms": round((t1 - t0) / MS, 1),
                 "compute_busy_ms": round(trace.compute.busy(t0, t1) / MS, 1),
-                "link": _link(trace, t0, t1),
-                "before": _link(trace, t0 - before_ms * MS, t0),
-                "h2d_idle": idle_gaps(trace, t0, t1, gap_ms),
-                "d2h_after_ms": d2h_tail(trace, t1, gap_ms),
+                "link": _link(link, t0, t1),
+                "before": _link(link, t0 - before_ms * MS, t0),
+                "h2d_idle": idle_gaps(link["h2d"][1], t0, t1, gap_ms),
+                "d2h_after_ms": busy_past(link["d2h"][1], t1, gap_ms),
             }
         rows.append(row)
     return rows

@@ -44,14 +44,10 @@ logger = logging.getLogger(__name__)
 
 
 class Sleeper:
-    """Sleep and wake for a set of named parts; one sleep at a time, each refused before anything moves.
-
-    ``offloaders`` hold the optimizer state (and fp32 masters). With ``state_lives_on_host`` (the state
-    is already offloaded between steps by an attached handle, whose slab was pinned at attach) a wake
-    leaves it on the host, where the next step expects it; otherwise a wake brings it back to the
-    device. ``buffers`` maps a part name to the tensors whose storages it parks. ``busy()`` returns why
-    a sleep must wait (mid-step), or None. ``device`` is taken from the buffers when omitted.
-    """
+    """Sleep and wake for a set of named parts (``held``: parts.py); one sleep at a time, each refused before
+    anything moves. With ``state_lives_on_host`` (an attached handle offloads the state between steps) a wake
+    leaves the state on the host, where the next step expects it; otherwise a wake brings it back. ``busy()``
+    returns why a sleep must wait (mid-step), or None. ``device`` is taken from the buffers when omitted."""
 
     def __init__(
         self,
@@ -67,7 +63,6 @@ class Sleeper:
         self.held = SleepParts(
             offloaders, buffers, state_lives_on_host=state_lives_on_host, chunk_bytes=chunk_bytes, pin_memory=pin_memory
         )
-        self.offloaders, self.buffers = self.held.offloaders, self.held.buffers  # the parts: held's, read here
         self.busy = busy
         self.asleep: tuple[str, ...] = ()  # the parts the current sleep moved; empty while awake
         self.last_report: SleepReport | None = None
@@ -78,6 +73,14 @@ class Sleeper:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self._copies: CopyQueue | None = None  # made at the first sleep: its side stream, on CUDA
+
+    @property
+    def offloaders(self) -> list[OptimizerStateOffloader]:
+        return self.held.offloaders
+
+    @property
+    def buffers(self) -> dict[str, ParkedBuffers]:
+        return self.held.buffers
 
     @property
     def is_asleep(self) -> bool:
