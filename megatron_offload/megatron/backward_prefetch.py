@@ -62,7 +62,8 @@ class PrefetchDuringBackward:
         self.at_step: int | None = None  # most memory held when a step starts, without optimizer state
         self.step_started = False
         self.step_extra = 0  # what the step adds on top (streamed_step.footprint)
-        self.sampled = False  # the last backward was read
+        self.sampled = False  # the last backward was reached (its allocator retries read)
+        self.read = False  # memory was read in the last backward: its drops teach the margin
         self.moving = 0  # bytes that leave the GPU between steps (none: nothing comes back, the hooks only pump)
         self.smallest = 0  # the smallest chunk among them: less room than this brings nothing back
         self.limited = False  # retries were seen: bring back at most what the step leaves to the forward
@@ -88,32 +89,45 @@ class PrefetchDuringBackward:
         if not self.moving or per_iteration is None or self.backwards < per_iteration - 1:
             return
         last = self.backwards == per_iteration and self.in_last_microbatch()
-        allocated = allocated_bytes()
-        if last:
-            if not self.sampled:
-                self.retries_before = allocator_retries()
+        if last and not self.sampled:
+            self.retries_before = allocator_retries()
             self.sampled = True
+        handle, scheduler = self.handle, self.handle.scheduler
+        bound = self._step_bound()
+        if self.brought >= self.moving or (bound is not None and bound < self.smallest):
+            # Nothing can come back before the step: no reading (each costs tens of microseconds of the
+            # backward's host time, which the GPU waits for where the loop is host-bound).
+            return
+        allocated = 0
+        if last:  # the next-to-last backward's room is the forward's natural peak's: no reading needed
+            allocated = allocated_bytes()
             natural = allocated - self.brought
             if self.previous is not None:
                 self.largest_drop = max(self.largest_drop, self.previous - natural)
             self.previous = natural
-        if self.margin is None or self.at_step is None:
+            self.read = True
+        if self.margin is None or bound is None:
             return
-        if self.early_limit is not None and self.brought >= self.early_limit:
-            return
-        handle, scheduler = self.handle, self.handle.scheduler
         room = scheduler.room() - handle.kept_bytes() - handle.pending_offload_bytes() - self.brought
         if last:
             room = max(room, scheduler.backward_room(allocated) - self.margin)
-        # At its start the step holds what it holds without state, its own buffers, all kept state (back
-        # already, or newly kept and coming back then) and what came back early.
-        room = min(room, scheduler.backward_room(self.at_step + self.step_extra + handle.kept_bytes()) - self.brought)
-        if self.early_limit is not None:
-            room = min(room, self.early_limit - self.brought)
-        # A call that could bring nothing back (all of it back already, or room for no chunk) walks every
-        # chunk for naught, in the backward's thread, at every hook.
-        if room >= self.smallest and self.brought < self.moving:
+        room = min(room, bound)
+        # A call that could bring nothing back (room for no chunk) walks every chunk for naught, in the
+        # backward's thread, at every hook.
+        if room >= self.smallest:
             self.brought += handle.prefetch(max_bytes=room, landed_only=True)
+
+    def _step_bound(self) -> int | None:
+        """Most bytes that may still come back before the step (None until the step was learned): at its start
+        the step holds what it holds without state, its own buffers, all kept state (back already, or newly
+        kept and coming back then) and what came back early; limited, at most what it leaves to the forward."""
+        if self.at_step is None:
+            return None
+        handle = self.handle
+        bound = handle.scheduler.backward_room(self.at_step + self.step_extra + handle.kept_bytes()) - self.brought
+        if self.early_limit is not None:
+            bound = min(bound, self.early_limit - self.brought)
+        return bound
 
     def on_backward_done(self) -> None:
         """Called as the optimizer's step begins, before anything else comes back: whether bringing state
@@ -138,9 +152,9 @@ class PrefetchDuringBackward:
         """Called after every step: learn from the backward just seen, start afresh."""
         if self.backwards_per_iteration is None and self.backwards:
             self.backwards_per_iteration = self.backwards  # the next iteration samples its last backward
-        elif self.sampled:
+        elif self.read:
             self.margin = max(PACING_MIN_MARGIN_BYTES, 2 * self.largest_drop)
-        self.sampled, self.previous, self.brought, self.backwards = False, None, 0, 0
+        self.sampled, self.read, self.previous, self.brought, self.backwards = False, False, None, 0, 0
         self.step_started, self.retries_before = False, None
         self.step_extra = self.handle.step_footprint()
         self.early_limit = self.handle.left_to_forward() if self.limited else None

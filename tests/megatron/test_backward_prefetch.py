@@ -173,3 +173,45 @@ def test_retries_while_state_comes_back_limit_later_backwards_to_what_the_step_l
     iteration()
     assert iteration() == (3 * GIB if limited else everything)
     assert hooks.limited is limited
+
+
+def test_memory_is_read_only_in_the_last_backward_and_only_while_something_can_come_back(monkeypatch) -> None:
+    """Each reading costs the backward's thread tens of microseconds: the next-to-last backward's room is the
+    forward's natural peak's (no reading), and where the step leaves no room for a chunk, the last backward
+    reads nothing either and the margin learned before stays."""
+    reads = {"count": 0, "bytes": GIB}
+
+    def reading() -> int:
+        reads["count"] += 1
+        return reads["bytes"]
+
+    monkeypatch.setattr(backward_prefetch, "allocated_bytes", reading)
+    ledger = BackwardLedger(10 * GIB, step_extra=0)
+    ledger.moving_chunks = lambda: [GIB // 4] * 4
+    ledger.scheduler.start_step()
+    ledger.scheduler.observe_step_end(Peaks(4 * GIB, 4 * GIB), resident=0)
+    param = torch.nn.Parameter(torch.zeros(2))
+    hooks = backward_prefetch.PrefetchDuringBackward(ledger, [torch.nn.Linear(2, 2)], lambda: True)
+    hooks.on_gpu = True
+    first, other = param, torch.nn.Parameter(torch.zeros(2))
+
+    def iteration(step_holds: int) -> int:
+        """Two backwards (two gradients each, the first param first); returns the readings taken."""
+        reads["count"] = 0
+        for _ in range(2):
+            for p in (first, other):
+                reads["bytes"] -= GIB // 8  # the backward frees memory as it goes
+                hooks.on_grad_ready(p)
+            reads["bytes"] = GIB
+        in_backwards = reads["count"]
+        reads["bytes"] = step_holds
+        hooks.on_step_start()
+        hooks.new_iteration()
+        return in_backwards
+
+    iteration(2 * GIB)  # learns the backwards per iteration
+    assert iteration(2 * GIB) == 2  # the last backward's two hooks read (margin, step); the one before none
+    margin = hooks.margin
+    assert margin is not None and iteration(2 * GIB) == 2
+    hooks.at_step = 10 * GIB  # the step now holds all there is: nothing may come back ahead of it
+    assert iteration(10 * GIB) == 0 and hooks.margin == margin
