@@ -81,8 +81,8 @@ class Staging:
         off.stats.bytes_streamed += sum(chunk.nbytes for chunk in streamed)
 
     def left(self, done: Event | None) -> None:
-        """The next chunk has been updated and queued out (``done``: its copy out's end; None: it needed none,
-        or it was left to the loop's points, no later chunk taking its bytes), then start what may come in now."""
+        """The next chunk has been updated and queued out (``done``: its copy out's end; None: it needed none),
+        then start what may come in now."""
         # Without a copy out, its bytes are free once the update queued on the compute stream has run.
         self.leaving.append(done if done is not None else self.off.streams.mark())
         self.bring_in_due()

@@ -5,7 +5,7 @@ copies out start within the step (``ShareOut``: between the streamed chunks', al
 streams), but for the bytes left to the loop's next points. The others stream through ``STAGING_CHUNKS``
 buffers as large as the largest of them, one after another as through a ring (``staging_ring``): copies in
 ahead, one chunk updated, copies out behind, at once, every order kept on the device, so the host never waits.
-NOTE: a streamed chunk leaves within the step where a later one takes its bytes; the last, at the loop's points.
+NOTE: a streamed chunk's copy out starts within the step (its buffer is needed again).
 NOTE: with a ``stage`` (params whose values and gradients live in device-mapped host memory), each
 group's params and gradients come to the GPU ahead of its update (the stage is told the order first),
 and ready chunks are updated in groups of about one chunk (each group's GPU copies are that large), also
@@ -210,13 +210,9 @@ def run(
             for chunk in group:
                 if not chunk.kept:
                     beside.add(off.queue_offload(chunk))
-        taken_over = {place.reuses for place in staging.places}  # chunks whose bytes a later one takes
-        for position, chunk in enumerate(streamed):
+        for chunk in streamed:
             created = update([chunk])
-            # Bytes a later chunk takes over leave at once. The others are left to the loop's points, a few
-            # copies at a time: megatron-core reads a scalar right after the step, and that read waits behind
-            # every copy queued on the device-to-host engine before it.
-            out = off.queue_offload(chunk, now=position in taken_over)
+            out = off.queue_offload(chunk, now=True)  # its bytes are needed again: out at once
             beside.streamed_out(chunk)
             excess = off.leaving_bytes - STAGING_CHUNKS * staging.size
             if created and excess > 0:

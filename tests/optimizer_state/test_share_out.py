@@ -1,30 +1,22 @@
 """The ready chunks' copies out within the streamed step (``share_out.ShareOut``), on the CPU.
 
 What it proves: chunks that came back before the step start their copies out inside it, between the
-streamed chunks' copies out rather than all ahead of them; the last streamed chunks, whose bytes no later chunk
-takes over, stay queued for the loop's next points (a read right after the step would wait behind them); of
-the ready chunks, all but the bytes left to the forward (the last ones), which stay queued too; with nothing
-streamed, all of them at once; no more than the link carries in the step's time as the last step measured it
-(``StepWindow``), the rest queued; the values are those of the optimizer's own step either way.
+streamed chunks' copies out rather than all ahead of them; all but the bytes left to the forward (the last
+ones), which stay queued for the loop's next points; with nothing streamed, all of them at once; no more than
+the link carries in the step's time as the last step measured it (``StepWindow``), the rest queued; the values
+are those of the optimizer's own step either way.
 """
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from megatron_offload.core.streams import OFFLOAD, HostStreams
 from megatron_offload.optimizer_state import streamed_step
 from megatron_offload.optimizer_state.chunk_step import ChunkStepper
 from megatron_offload.optimizer_state.share_out import StepWindow
 from tests.gates import Gate
-from tests.optimizer_state.cpu_engine import (
-    adam_with_masters,
-    assert_same_training_state,
-    many_masters,
-    offloader_for,
-    set_grads,
-)
+from tests.optimizer_state.cpu_engine import assert_same_training_state, many_masters, offloader_for, set_grads
 
 
 class Recording(HostStreams):
@@ -78,18 +70,12 @@ class Clocked(Recording):
         return self.timed_marks[-1]
 
 
-def equal_masters():
-    """Ten masters of one size, a chunk each: more streamed chunks than the staging buffers hold at once."""
-    torch.manual_seed(0)
-    return adam_with_masters((300,) * 10)
-
-
-def step_with_some_back(back_bytes: int | None, forward_hides: int, carried: int | None = None, make=many_masters):
+def step_with_some_back(back_bytes: int | None, forward_hides: int, carried: int | None = None):
     """Five steps as the loop runs them: bring back ``back_bytes`` (None: all), then the streamed step
     leaving ``forward_hides`` bytes; the last step's copies out are left as the step leaves them. ``carried``:
-    with a step window whose link carries that many bytes out in the time it measures. ``make``: the masters."""
-    reference, _ = make()
-    optimizer, masters = make()
+    with a step window whose link carries that many bytes out in the time it measures."""
+    reference, _ = many_masters()
+    optimizer, masters = many_masters()
     streams = Recording() if carried is None else Clocked()
     window = None if carried is None else StepWindow(streams, lambda: carried / Clocked.WINDOW_MS * 1000)
     offloader = offloader_for(optimizer, masters, chunk_bytes=2000, streams=streams)
@@ -110,30 +96,19 @@ def step_with_some_back(back_bytes: int | None, forward_hides: int, carried: int
     return reference, optimizer, offloader, back, streams
 
 
-def ready_queued(offloader, back) -> list:
-    """The ready chunks whose copies out the step left queued, oldest first."""
-    return [copy.chunk for copy in offloader.copies.queued(OFFLOAD) if copy.chunk in back]
-
-
 def first_byte(chunk) -> int:
     return min(entry.host.data_ptr() for entry in chunk.entries)
 
 
 def test_ready_chunks_leave_between_the_streamed_ones_within_the_step() -> None:
-    reference, optimizer, offloader, back, streams = step_with_some_back(8000, forward_hides=0, make=equal_masters)
-    assert len(back) == 2 and len(offloader.chunks) == 10  # two came back, eight streamed
-    # Every copy out started within the step but the last streamed chunks', whose bytes no later one takes over.
-    queued = [copy.chunk for copy in offloader.copies.queued(OFFLOAD)]
-    in_order = [chunk for chunk in offloader.chunks if chunk not in back]
-    assert queued == in_order[len(in_order) - streamed_step.STAGING_CHUNKS :]  # one a buffer: the last ones
-    within = list(streams.out)
-    offloader.copies.drain()  # the loop's points start them
+    reference, optimizer, offloader, back, streams = step_with_some_back(20000, forward_hides=0)
+    assert back and len(back) < len(offloader.chunks)  # some came back, some streamed
+    assert offloader.copies.queued(OFFLOAD) == []  # every copy out started within the step
     order = [next(c.index for c in offloader.chunks if first_byte(c) == ptr) for ptr in streams.out]
     ready = {chunk.index for chunk in back}
     streamed = [index for index in order if index not in ready]
     assert sorted(order) == sorted(c.index for c in offloader.chunks)  # each chunk left once
     assert order.index(streamed[0]) < max(order.index(index) for index in ready)  # not all ready ones first
-    assert order[len(within) :] == [chunk.index for chunk in queued]
     offloader.copies.drain()
     offloader.wait()
     assert_same_training_state(reference, optimizer)
@@ -145,7 +120,7 @@ def test_the_bytes_left_to_the_forward_stay_queued_the_last_ready_chunks(left_ch
     sizes = [chunk.nbytes for chunk in back]
     left = sum(sizes[-left_chunks:])
     reference, optimizer, offloader, back, streams = step_with_some_back(20000, forward_hides=left)
-    queued = ready_queued(offloader, back)
+    queued = [copy.chunk for copy in offloader.copies.queued(OFFLOAD)]
     assert queued == back[len(back) - min(left_chunks, len(back)) :]  # the last ones, oldest first
     assert sum(chunk.nbytes for chunk in queued) <= left
     offloader.copies.drain()
@@ -208,7 +183,8 @@ def test_the_window_bounds_the_ready_chunks_beside_the_streamed_ones_copies_out(
     reference, optimizer, offloader, back, streams = step_with_some_back(20000, forward_hides=0)
     streamed = sum(chunk.nbytes for chunk in offloader.chunks if chunk not in back)
     reference, optimizer, offloader, back, streams = step_with_some_back(20000, 0, carried=streamed)
-    assert ready_queued(offloader, back) == back  # every ready chunk left to the loop's next points
+    queued = [copy.chunk for copy in offloader.copies.queued(OFFLOAD)]
+    assert queued == back  # every ready chunk left to the loop's next points
     offloader.copies.drain()
     offloader.wait()
     assert_same_training_state(reference, optimizer)
