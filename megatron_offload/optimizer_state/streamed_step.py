@@ -116,11 +116,13 @@ def begin_staging(off: OptimizerStateOffloader) -> Staging | None:
 
 def _take_staging(off: OptimizerStateOffloader) -> Staging:
     """Queue newly kept chunks back into blocks of their own and take the staging buffers for the rest (those
-    neither on the GPU nor coming back)."""
+    neither on the GPU nor coming back), the largest first: megatron-core reads a scalar right after the step,
+    and that read waits behind every device-to-host copy queued before it, so the step ends on small ones."""
     for chunk in off.chunks:
         if chunk.kept and not chunk.on_gpu and chunk.copy is None:
             off.queue_prefetch(chunk)  # newly kept: into a block of its own, not a staging buffer
     streamed = [chunk for chunk in off.chunks if not (chunk.on_gpu or chunk.copy is not None)]
+    streamed.sort(key=lambda chunk: -chunk.nbytes)  # stable: chunks of one size stay in step order
     return Staging(off, streamed, STAGING_CHUNKS)
 
 

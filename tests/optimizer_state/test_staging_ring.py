@@ -157,3 +157,42 @@ def test_copies_in_started_as_the_step_begins_serve_its_update(skipped: int | No
         assert len(ins) == len(offloader.chunks)  # none came in twice
     offloader.wait()
     assert_same_training_state(reference, optimizer)
+
+
+class Outs(HostStreams):
+    """Copies at once, as HostStreams, recording the bytes of each copy out in the order queued."""
+
+    def __init__(self) -> None:
+        self.outs: list[int] = []
+
+    def copy(self, direction, pairs, after):
+        if direction == OFFLOAD:
+            self.outs.append(sum(destination.nbytes for destination, _ in pairs))
+        return super().copy(direction, pairs, after)
+
+
+def test_the_largest_streamed_chunk_goes_first_so_that_the_step_ends_on_small_copies() -> None:
+    """megatron-core reads a scalar right after the step, behind every device-to-host copy queued before it: the
+    streamed chunks are updated largest first, those of one size in step order, bit for bit."""
+    torch.manual_seed(0)
+    reference, _ = adam_with_masters((*[150] * 40, 2000))
+    torch.manual_seed(0)
+    optimizer, masters = adam_with_masters((*[150] * 40, 2000))
+    streams = Outs()
+    offloader = offloader_for(optimizer, masters, chunk_bytes=2000, streams=streams)
+    offloader.offload()
+    offloader.copies.drain()
+    stepper = ChunkStepper(optimizer)
+    for step in range(3):
+        set_grads(reference, step)
+        reference.step()
+        set_grads(optimizer, step)
+        streams.outs.clear()
+        with offloader.device_view.params_on_device():
+            streamed_step.run(offloader, stepper)
+        offloader.copies.drain()
+    sizes = [chunk.nbytes for chunk in offloader.chunks]
+    assert sizes[-1] == max(sizes) > 3 * min(sizes)  # the large one last in step order
+    assert streams.outs == sorted(sizes, reverse=True)  # out in the order updated: the large one first
+    offloader.wait()
+    assert_same_training_state(reference, optimizer)
