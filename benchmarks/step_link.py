@@ -10,7 +10,7 @@ starts, the compute stream's busy time, each copy direction's bytes and busy tim
 ``--before-ms`` before the span (the last backward, where state may come back early); and the
 host-to-device link's idle gaps longer than ``--gap-ms`` inside the span, where the step could have been
 bringing state in and was not; and how long the copies out it queued keep the device-to-host link busy past
-its end.
+its end, and which copies those are (how many, their size, when they started).
 
     python -m benchmarks.step_link TRACE [--range Optimizer.step] [--before-ms 80] [--gap-ms 1] [--json OUT]
 
@@ -118,6 +118,21 @@ def busy_past(busy: Intervals, t1: float, gap_ms: float) -> float:
     return round((end - t1) / MS, 1)
 
 
+def tail(copies: list[dict[str, Any]], t1: float, after_ms: float) -> dict[str, float | int]:
+    """The copies that keep the link busy past ``t1`` (for ``after_ms``, from ``busy_past``): how many, their GiB,
+    the largest one's, and when the first and last of them started, in ms from ``t1`` (negative: before it)."""
+    behind = [c for c in copies if c["end"] > t1 and c["start"] <= t1 + after_ms * MS]
+    if not behind:
+        return {"copies": 0, "GiB": 0.0, "largest_GiB": 0.0, "first_start_ms": 0.0, "last_start_ms": 0.0}
+    return {
+        "copies": len(behind),
+        "GiB": round(sum(c["bytes"] for c in behind) / GIB, 3),
+        "largest_GiB": round(max(c["bytes"] for c in behind) / GIB, 3),
+        "first_start_ms": round((min(c["start"] for c in behind) - t1) / MS, 1),
+        "last_start_ms": round((max(c["start"] for c in behind) - t1) / MS, 1),
+    }
+
+
 def summarize(path: str | Path, prefix: str = "Optimizer.step", before_ms: float = 80.0, gap_ms: float = 1.0) -> list:
     """One entry per profiled iteration (see the module's text); ``step`` None where no range was found."""
     complete = read_events(path)
@@ -137,6 +152,7 @@ def summarize(path: str | Path, prefix: str = "Optimizer.step", before_ms: float
                 "h2d_idle": idle_gaps(link["h2d"][1], t0, t1, gap_ms),
                 "d2h_after_ms": busy_past(link["d2h"][1], t1, gap_ms),
             }
+            row["step"]["d2h_tail"] = tail(link["d2h"][0], t1, row["step"]["d2h_after_ms"])
         rows.append(row)
     return rows
 
@@ -160,6 +176,13 @@ def text(rows: list, prefix: str, before_ms: float, gap_ms: float) -> str:
             f"  h2d idle over {gap_ms:g} ms in the step (from+length, ms): {gaps}; d2h busy "
             f"{step['d2h_after_ms']:.1f} ms past its end",
         ]
+        behind = step["d2h_tail"]
+        if behind["copies"]:
+            lines.append(
+                f"  copies out past its end: {behind['copies']}, {behind['GiB']:.2f} GiB (largest "
+                f"{behind['largest_GiB']:.2f}), started {behind['first_start_ms']:g} to {behind['last_start_ms']:g} "
+                "ms from its end"
+            )
     return "\n".join(lines) + "\n"
 
 

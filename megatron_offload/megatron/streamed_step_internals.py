@@ -22,7 +22,11 @@ from megatron_offload.optimizer_state.offloader import OptimizerStateOffloader
 from megatron_offload.optimizer_state.share_out import StepWindow
 from megatron_offload.optimizer_state.staging_ring import Staging
 
-__all__ = ["streamed_step_of"]
+__all__ = ["STEP_RANGE", "streamed_step_of"]
+
+# The streamed step's range in a profiler trace: named as torch's optimizers name theirs ("Optimizer.step#AdamW.step"),
+# so that tools reading a trace for the optimizer's step (benchmarks/step_link.py) find it either way.
+STEP_RANGE = "Optimizer.step#StreamedStep.step"
 
 
 def _streamed_step_supported(dist_opt: Any) -> bool:
@@ -91,15 +95,16 @@ class _StreamedStep:
         self.on_start()
         try:
             hides = self.forward_hides()
-            streamed_step.run(
-                self.offloader,
-                self.stepper,
-                self.copy_chunk_to_model,
-                self.stage,
-                forward_hides=hides,
-                window=self.window,
-                staging=self.staging,
-            )
+            with torch.profiler.record_function(STEP_RANGE):
+                streamed_step.run(
+                    self.offloader,
+                    self.stepper,
+                    self.copy_chunk_to_model,
+                    self.stage,
+                    forward_hides=hides,
+                    window=self.window,
+                    staging=self.staging,
+                )
         finally:
             self.staging = None
             if self.stage is not None:
