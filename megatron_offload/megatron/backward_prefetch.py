@@ -92,15 +92,14 @@ class PrefetchDuringBackward:
         if last and not self.sampled:
             self.retries_before = allocator_retries()
             self.sampled = True
-        handle, scheduler = self.handle, self.handle.scheduler
         bound = self._step_bound()
         if self.brought >= self.moving or (bound is not None and bound < self.smallest):
             # Nothing can come back before the step: no reading (each costs tens of microseconds of the
             # backward's host time, which the GPU waits for where the loop is host-bound).
             return
-        allocated = 0
-        if last:  # the next-to-last backward's room is the forward's natural peak's: no reading needed
-            allocated = allocated_bytes()
+        # Only the last backward reads memory: the next-to-last one's room is the forward's natural peak's.
+        allocated = allocated_bytes() if last else None
+        if allocated is not None:
             natural = allocated - self.brought
             if self.previous is not None:
                 self.largest_drop = max(self.largest_drop, self.previous - natural)
@@ -108,8 +107,9 @@ class PrefetchDuringBackward:
             self.read = True
         if self.margin is None or bound is None:
             return
+        handle, scheduler = self.handle, self.handle.scheduler
         room = scheduler.room() - handle.kept_bytes() - handle.pending_offload_bytes() - self.brought
-        if last:
+        if allocated is not None:
             room = max(room, scheduler.backward_room(allocated) - self.margin)
         room = min(room, bound)
         # A call that could bring nothing back (room for no chunk) walks every chunk for naught, in the
