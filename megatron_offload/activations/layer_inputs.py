@@ -36,7 +36,7 @@ from megatron_offload.core.units import GIB
 
 __all__ = ["LayerInputOffloader", "LayerInputStats"]
 
-SLOTS = 2  # the input being recomputed, and the next one arriving
+SLOTS = 2  # the input being recomputed, and the next one arriving (more where every one is held)
 MAX_PENDING_WAITS = 256  # timed waits kept for read_stats: a caller that never reads them holds no more
 
 
@@ -180,24 +180,20 @@ class LayerInputOffloader:
         for index, slot in enumerate(self._slots):
             if slot.holder is None and slot.buffer.numel() >= nbytes:
                 return index
-        if len(self._slots) < SLOTS:
-            # Once, at the first backward. Behind a mark: the allocator may hand out memory that kernels
-            # queued on the compute stream still use, and the copy into it runs on another stream.
+        free = [index for index, slot in enumerate(self._slots) if slot.holder is None]
+        if len(self._slots) < SLOTS or not free:
+            # At the first backward; later only where every slot holds an input fetched ahead (a layer-major
+            # backward fetches one per micro-batch). Behind a mark: the allocator may hand out memory that
+            # kernels queued on the compute stream still use, and the copy into it runs on another stream.
             self._slots.append(_Slot(self.streams.block(nbytes), free_after=self.streams.mark()))
             self.stats.gpu_slot_bytes += nbytes
             return len(self._slots) - 1
-        for index, slot in enumerate(self._slots):
-            if slot.holder is None:  # a larger input than before (a longer sequence): the slot grows
-                self.stats.gpu_slot_bytes += nbytes - slot.buffer.numel()
-                # The old buffer goes back to the compute stream's pool, whose queued work orders its reuse;
-                # the new one, as above, is written only behind a mark.
-                self._slots[index] = _Slot(self.streams.block(nbytes), free_after=self.streams.mark())
-                return index
-        raise RuntimeError(
-            "megatron-offload: --offload-layer-inputs found both GPU slots in use by inputs not yet recomputed; "
-            "this happens only when backward passes interleave, which one model chunk without pipeline "
-            "parallelism never does"
-        )
+        index = free[0]  # a larger input than before (a longer sequence): the slot grows
+        self.stats.gpu_slot_bytes += nbytes - self._slots[index].buffer.numel()
+        # The old buffer goes back to the compute stream's pool, whose queued work orders its reuse; the new
+        # one, as above, is written only behind a mark.
+        self._slots[index] = _Slot(self.streams.block(nbytes), free_after=self.streams.mark())
+        return index
 
     def _host_buffer(self, nbytes: int) -> HostSlab:
         free = self._free_host[nbytes]

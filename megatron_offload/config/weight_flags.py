@@ -15,11 +15,21 @@ from dataclasses import dataclass
 
 from megatron_offload.config.refusals import CUDA_GRAPHS, Check, is_not, is_other_than, on, over_one, refuse, set_
 
-__all__ = ["STEP_MODES", "WeightConfig", "add_weight_args", "check_weight_flags", "weight_config_from_args"]
+__all__ = [
+    "ORDERS",
+    "STEP_MODES",
+    "WeightConfig",
+    "add_weight_args",
+    "backward_order",
+    "check_weight_flags",
+    "weight_config_from_args",
+]
 
 FLAG = "--offload-weights"
 STEP_FLAG = "--offload-weights-step"
 STEP_MODES = ("streamed", "megatron")
+ORDER_FLAG = "--offload-weights-order"
+ORDERS = ("auto", "layer", "micro-batch")
 
 
 @dataclass(frozen=True)
@@ -31,20 +41,46 @@ class WeightConfig:
     step: str = "streamed"
     """The optimizer step: "streamed" (one pass over host memory) or "megatron" (megatron-core's own
     passes, for comparison)."""
+    order: str = "micro-batch"
+    """The backward's order, as decided: "layer" (each layer's backwards for every micro-batch in a row,
+    the layer brought in once) or "micro-batch" (the loop's own order)."""
+    why: str = ""
+    """Why that order, for the log."""
 
     def __post_init__(self) -> None:
         if self.step not in STEP_MODES:
             raise ValueError(f"{STEP_FLAG} must be one of {', '.join(STEP_MODES)}; got {self.step!r}")
+        if self.order not in ORDERS[1:]:
+            raise ValueError(f"{ORDER_FLAG} decides between {', '.join(ORDERS[1:])}; got {self.order!r}")
+
+    @property
+    def layer_major(self) -> bool:
+        return self.enabled and self.order == "layer"
 
     @property
     def streamed_step(self) -> bool:
         return self.enabled and self.step == "streamed"
 
 
+def backward_order(args: argparse.Namespace) -> tuple[str, str]:
+    """The backward's order ``--offload-weights-order`` asks for, and why. "auto" takes the layer order where
+    it is bitwise (untied embeddings) and costs no GPU memory (layer inputs in host memory: the layer order
+    keeps every micro-batch's until the backward)."""
+    asked = getattr(args, "offload_weights_order", "auto") or "auto"
+    if asked != "auto":
+        return asked, f"{ORDER_FLAG} {asked}"
+    if not getattr(args, "untie_embeddings_and_output_weights", False):
+        return "micro-batch", "tied embeddings; the layer order needs --untie-embeddings-and-output-weights"
+    if not getattr(args, "offload_layer_inputs", False):
+        return "micro-batch", "layer inputs on the GPU; the layer order needs --offload-layer-inputs"
+    return "layer", "untied embeddings, layer inputs in host memory"
+
+
 def weight_config_from_args(args: argparse.Namespace) -> WeightConfig:
     """The weight-streaming settings of parsed (and validated) arguments."""
+    order, why = backward_order(args)
     return WeightConfig(
-        bool(getattr(args, "offload_weights", False)), getattr(args, "offload_weights_step", "streamed")
+        bool(getattr(args, "offload_weights", False)), getattr(args, "offload_weights_step", "streamed"), order, why
     )
 
 
@@ -56,6 +92,17 @@ def add_weight_args(group: argparse._ArgumentGroup) -> None:
         "a few GPU slots, layer by layer (with --offload-optimizer-states, one GPU, and --recompute-granularity "
         "full --recompute-method uniform --recompute-num-layers 1): trains models whose weights, gradients "
         "and optimizer state do not fit the GPU. The embedding and output layer stay on the GPU.",
+    )
+    group.add_argument(
+        ORDER_FLAG,
+        choices=ORDERS,
+        default="auto",
+        help="The order of the backward with --offload-weights. layer: every micro-batch's backward of a layer "
+        "runs in a row, so each layer comes to the GPU once for its forward per micro-batch and once for all its "
+        "backwards, and its gradients leave once per step (bitwise equal; needs "
+        "--untie-embeddings-and-output-weights; keeps every micro-batch's layer inputs until the backward, in "
+        "host memory with --offload-layer-inputs). micro-batch: the training loop's own order. auto (default): "
+        "layer where it is untied and the layer inputs go to host memory.",
     )
     # Hidden: megatron-core's own step passes over host memory, to compare the streamed step against.
     group.add_argument(STEP_FLAG, choices=STEP_MODES, default="streamed", help=argparse.SUPPRESS)
@@ -102,6 +149,13 @@ def check_weight_flags(args: argparse.Namespace, state_offload: bool, derived: b
             "must leave it too): add --offload-optimizer-states"
         )
     refuse(args, FLAG, _AS_GIVEN)
+    if getattr(args, "offload_weights_order", "auto") == "layer" and not getattr(
+        args, "untie_embeddings_and_output_weights", False
+    ):
+        raise ValueError(
+            f"{ORDER_FLAG} layer needs untied embeddings (the shared weight's gradient would sum in another "
+            "order): add --untie-embeddings-and-output-weights, or use --offload-weights-order micro-batch"
+        )
     if not derived:
         return
     if (getattr(args, "data_parallel_size", 1) or 1) > 1 or (getattr(args, "world_size", 1) or 1) > 1:

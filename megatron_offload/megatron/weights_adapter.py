@@ -15,6 +15,12 @@ What it relies on:
   thing ``finalize_model_grads`` does once the last micro-batch's backward is done. Both are wrapped
   on the instance (no source changed): the first settles what an evaluation left lent, the second
   settles the step's gradients before anything reads them.
+- Layer-major backward (``layer_major=True``): full recompute calls ``tensor_parallel.checkpoint(function,
+  distribute_saved_activations, hidden_states, ...)`` through the module attribute, once per layer; it is
+  replaced for as long as the handle is attached (the one module-level name weight streaming sets), and
+  the deferred backwards run first thing in ``finish_grad_sync``, from roots whose data was given back,
+  with megatron-core's own ``custom_backward``. Megatron's loop runs the micro-batches but the last
+  outside ``no_sync``, so a bucket group's ``is_last_microbatch`` says whether another forward follows.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ import torch
 
 from megatron_offload.core.patches import InstancePatches
 from megatron_offload.core.streams import streams_for
+from megatron_offload.megatron.optimizer_internals import _in_last_microbatch
+from megatron_offload.weights.layer_major import LayerMajorBackward
 from megatron_offload.weights.plan import Placed, Run, Unit, runs_of
 from megatron_offload.weights.stats import WeightStats
 from megatron_offload.weights.streamer import WeightStreamer
@@ -93,21 +101,67 @@ class WeightHandle:
     streamer: WeightStreamer
     model: list[Any] = field(default_factory=list)  # the model chunks streamed
     patches: InstancePatches = field(default_factory=InstancePatches)
+    layer_major: LayerMajorBackward | None = None
 
     def read_stats(self) -> WeightStats:
         return self.streamer.stats.snapshot()
 
     def detach(self) -> None:
         """Settle, remove every hook and wrapper: params point at megatron-core's buffers as before."""
+        if self.layer_major is not None:
+            self.layer_major.run()  # a backward left pending runs now: no gradient is dropped
+            _unwrap_checkpoint(self.layer_major)
         self.streamer.settle()
         self.patches.undo()
 
+    def finish_backward(self) -> None:
+        """The loop's backwards are done: the deferred layer-major ones run, then the gradients settle."""
+        if self.layer_major is not None:
+            self.layer_major.run()
+        self.streamer.settle()
 
-def attach_weight_streamer(model_chunks: list[Any], weight_slots: int = 3, grad_slots: int = 3) -> WeightHandle:
+    def new_step(self) -> None:
+        if self.layer_major is not None:
+            self.layer_major.clear()  # a forward that no backward followed (evaluation under grad)
+        self.streamer.new_step()
+
+
+def tied_embeddings(model_chunks: list[Any]) -> bool:
+    """Whether the input embedding and the output layer share their weight."""
+    return any(getattr(m, "share_embeddings_and_output_weights", False) for c in model_chunks for m in c.modules())
+
+
+def _wrap_checkpoint(layer_major: LayerMajorBackward) -> None:
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.checkpoint = layer_major.wrap(tensor_parallel.checkpoint, input_at=1)
+
+
+def _unwrap_checkpoint(layer_major: LayerMajorBackward) -> None:
+    """Put the wrapped function back if ours is still the module's; else (another handle wrapped ours
+    since) leave the chain and only stop cutting."""
+    from megatron.core import tensor_parallel
+
+    layer_major.enabled = False
+    current = tensor_parallel.checkpoint
+    if getattr(current, "cut_by", None) is layer_major:
+        tensor_parallel.checkpoint = current.wrapped
+
+
+def attach_weight_streamer(
+    model_chunks: list[Any], weight_slots: int = 3, grad_slots: int = 3, layer_major: bool = False
+) -> WeightHandle:
     """Stream the transformer layers of megatron-core DDP ``model_chunks`` (one chunk: no pipeline
-    parallelism) through GPU slots; everything else stays lent to the GPU through each step."""
+    parallelism) through GPU slots; everything else stays lent to the GPU through each step.
+    ``layer_major``: each layer's backwards for all micro-batches run in a row (layer_major.py); needs
+    untied input and output embeddings."""
     if len(model_chunks) != 1:
         raise ValueError("--offload-weights streams one model chunk (no virtual pipeline stages)")
+    if layer_major and tied_embeddings(model_chunks):
+        raise ValueError(
+            "--offload-weights-order layer needs untied embeddings (their gradient sums would change order): "
+            "add --untie-embeddings-and-output-weights or use --offload-weights-order micro-batch"
+        )
     chunk = model_chunks[0]
     where = _index(chunk)
     layer_type = _transformer_layer_type()
@@ -144,8 +198,14 @@ def attach_weight_streamer(model_chunks: list[Any], weight_slots: int = 3, grad_
     owners += [m for m in chunk.modules() if isinstance(m, _embedding_type())]
     for module in owners:
         handle.patches.hook(module.register_forward_pre_hook(lambda *_: streamer.lend_resident()))
-    handle.patches.call_before(chunk, "zero_grad_buffer", streamer.new_step)  # a new step: nothing lent from before
-    handle.patches.call_before(chunk, "finish_grad_sync", streamer.settle)  # backward done: gradients whole on host
+    if layer_major:
+        from megatron.core.pipeline_parallel.schedules import custom_backward
+
+        handle.layer_major = LayerMajorBackward(streamer, custom_backward)
+        streamer.forward_again = lambda: not _in_last_microbatch(model_chunks)
+        _wrap_checkpoint(handle.layer_major)
+    handle.patches.call_before(chunk, "zero_grad_buffer", handle.new_step)  # a new step: nothing lent from before
+    handle.patches.call_before(chunk, "finish_grad_sync", handle.finish_backward)  # gradients whole on host
     return handle
 
 

@@ -83,7 +83,7 @@ class StreamedWeights:
 
     def stream(self, model: list[Any]) -> None:
         moved = move_buffers_to_gpu(model)
-        handle = attach_weight_streamer(model)
+        handle = attach_weight_streamer(model, layer_major=self.config.layer_major)
         self.handles.append(handle)
         torch.cuda.reset_peak_memory_stats()  # the build's host-memory growth is not a GPU peak
         streamer = handle.streamer
@@ -92,7 +92,8 @@ class StreamedWeights:
             f"{len(streamer.weights.slots)} weight and {len(streamer.grads.slots)} gradient slots; GPU memory for "
             f"the slots and the embedding and output layer {streamer.stats.gpu_bytes / GIB:.2f} GiB; "
             f"{mapped_bytes() / GIB:.2f} GiB of weights, gradients and master weights in host memory ({moved} bytes "
-            "of module buffers moved to the GPU)"
+            "of module buffers moved to the GPU); backward in "
+            f"{self.config.order} order ({self.config.why})"
         )
 
     def stream_step(self, optimizer: Any, model: list[Any], offload: Any = None) -> None:

@@ -55,6 +55,7 @@ class Unit:
     lent: bool = False  # its params point at GPU memory now
     grads_on_host: bool = False  # the host gradients hold earlier micro-batches of this step
     grads_stale: bool = False  # the host gradients are an earlier step's, not zeroed (the first copy out overwrites)
+    summing: bool = False  # its gradient slot holds this step's sum of earlier micro-batches (layer-major)
     weights_dtype: torch.dtype = torch.bfloat16
     grads_dtype: torch.dtype = torch.float32
 
@@ -99,23 +100,30 @@ def runs_of(spans: Sequence[tuple[int, int]], max_gap: int) -> list[tuple[int, i
 
 class Schedule:
     """The cycle of uses of ``layers`` streamed layers in one micro-batch under full recompute: positions
-    0..L-1 are the forward of layers 0..L-1, positions L..2L-1 the backward of layers L-1..0."""
+    0..L-1 are the forward of layers 0..L-1, positions L..2L-1 the backward of layers L-1..0. With
+    ``forward_again`` (layer-major backward, a forward that another micro-batch's forward follows), the
+    forward wraps to the next micro-batch's first layer instead of turning into the backward."""
 
     def __init__(self, layers: int) -> None:
         if layers < 1:
             raise ValueError("weight streaming needs at least one streamed layer")
         self.layers = layers
         self.cycle = 2 * layers
+        self.forward_again = False
 
     def position(self, layer: int, backward: bool) -> int:
         return self.cycle - 1 - layer if backward else layer
 
     def layer_at(self, position: int) -> tuple[int, bool]:
         """(layer, is_backward) of a position, wrapping into the next micro-batch."""
+        if self.forward_again:
+            return position % self.layers, False
         position %= self.cycle
         return (self.cycle - 1 - position, True) if position >= self.layers else (position, False)
 
     def distance(self, layer: int, now: int) -> int:
         """Uses from position ``now`` until ``layer`` is used again (1 = the very next use)."""
+        if self.forward_again:
+            return (layer - now - 1) % self.layers + 1
         uses = (self.position(layer, False), self.position(layer, True))
         return min((use - now - 1) % self.cycle + 1 for use in uses)

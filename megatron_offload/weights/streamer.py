@@ -21,6 +21,9 @@ first copy out of a step writes every element of its host ranges from a slot tha
 and nothing reads them before; a unit whose gradients never left in a step is zeroed at ``settle()``.
 NOTE: with ``norms``, each unit's per-tensor gradient norms are taken in its slot when its gradients
 leave after the last micro-batch (``last_microbatch()``), before the copy out is ordered.
+NOTE: layer-major backward (layer_major.py) runs a layer's backwards for every micro-batch in a row;
+while ``again`` is set, a backward's end keeps the layer lent and its gradient slot summing (``summing``),
+and the forwards before it wrap to the next micro-batch's first layer (``forward_again()``).
 """
 
 from __future__ import annotations
@@ -53,11 +56,12 @@ class WeightStreamer:
         grad_attr: str = "main_grad",
         norms: SlotNorms | None = None,
         last_microbatch: Callable[[], bool] = lambda: True,
+        forward_again: Callable[[], bool] = lambda: False,
     ) -> None:
         if weight_slots < 2 or grad_slots < 2:
             raise ValueError("weight streaming needs at least two weight slots and two gradient slots")
         self.layers, self.resident, self.streams, self.grad_attr = layers, resident, streams, grad_attr
-        self.norms, self.last_microbatch = norms, last_microbatch
+        self.norms, self.last_microbatch, self.forward_again = norms, last_microbatch, forward_again
         self.schedule = Schedule(len(layers))
         numel = max(unit.numel for unit in layers)
         self.weights = SlotRing(weight_slots, numel, layers[0].weights_dtype, streams.block)
@@ -72,6 +76,8 @@ class WeightStreamer:
         self.now = 0  # the schedule position of the use in progress
         self.last_out: Event | None = None  # the latest copy to host queued
         self.backward_ran = False  # a backward ran since the last settle
+        self.uses = 0  # streamed-layer uses so far (forwards and recomputes)
+        self.again = False  # set by layer-major backward: the next backward is of the same layer
         self.stats = WeightStats(gpu_bytes=self.weights.nbytes + self.grads.nbytes + self._resident_nbytes())
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
 
@@ -84,7 +90,10 @@ class WeightStreamer:
     def before_forward(self, index: int, backward: bool, layer_input: torch.Tensor | None = None) -> None:
         """A streamed layer is about to run: its forward (``backward`` False) or its recompute in backward."""
         unit = self.layers[index]
+        self.uses += 1
         self.now = self.schedule.position(index, backward)
+        if not backward:
+            self.schedule.forward_again = self.forward_again()
         self._lend(unit, self._slot_with_weights(unit), grads=False)
         if backward:
             self.backward_ran = True
@@ -103,6 +112,9 @@ class WeightStreamer:
     def after_backward(self, index: int) -> None:
         """A streamed layer's backward is done: its gradients go to the host, its slots free up."""
         unit = self.layers[index]
+        if self.again:  # another micro-batch's backward of this layer follows: it stays, its sum too
+            unit.summing = True
+            return
         self._gradients_out(unit, unit.grads_in, final=self.last_microbatch())
         self._give_back(unit)
         self._prefetch()
@@ -194,7 +206,7 @@ class WeightStreamer:
         if slot.ready is not None:
             self._wait(slot.ready)  # on the device: the copy filling the slot lands before the layer reads it
             slot.ready = None
-        if grads and not unit.grads_on_host:
+        if grads and not unit.grads_on_host and not unit.summing:
             if slot.free_after is not None:
                 self._wait(slot.free_after)  # the slot's last copy out must have read it before it is zeroed
                 slot.free_after = None
@@ -233,7 +245,7 @@ class WeightStreamer:
         slot.in_use = False
         if not unit.resident:
             slot.unit, unit.grads_in = None, None
-        unit.grads_on_host, unit.grads_stale = True, False
+        unit.grads_on_host, unit.grads_stale, unit.summing = True, False, False
         self.stats.bytes_out += unit.grad_nbytes
 
     def _prefetch(self) -> None:

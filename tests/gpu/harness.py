@@ -176,6 +176,8 @@ def build_gpt_training(
     optimizer_overrides: dict[str, Any] | None = None,
     recompute: bool = False,
     layer_spec: Any = None,
+    tied: bool = False,
+    no_sync: bool = False,
 ) -> GPTTraining:
     """Build a bf16 GPTModel (local spec) in DDP with the distributed optimizer, as Megatron-LM does.
 
@@ -184,7 +186,10 @@ def build_gpt_training(
     random numbers and two setups can be stepped interleaved. ``bucket_size`` (params per bucket)
     only matters with overlap_grad_reduce; 500_000 gives the default model 4 buckets. ``loss_scale``
     (use 1.0) adds megatron's constant grad scaler, which ``force_skipped_step`` needs. ``layer_spec``:
-    another layer spec than megatron-core's local one (the SDPA spec).
+    another layer spec than megatron-core's local one (the SDPA spec). ``tied``: the output layer shares the
+    embedding's weight (megatron-core's default is untied, Megatron-LM's tied). ``no_sync``: the
+    micro-batches but the last run under DDP's ``no_sync``, as Megatron-LM's loop always runs them (with
+    ``overlap_grad_reduce`` they always do).
     """
     if overlap_param_gather and not overlap_grad_reduce:
         raise ValueError("overlap_param_gather needs overlap_grad_reduce (as in Megatron-LM)")
@@ -218,6 +223,7 @@ def build_gpt_training(
         transformer_layer_spec=layer_spec or get_gpt_layer_local_spec(),
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.seq_length,
+        share_embeddings_and_output_weights=tied,
     )
     for param in gpt.parameters():
         set_defaults_if_not_set_tensor_model_parallel_attributes(param)  # as get_model does
@@ -246,7 +252,7 @@ def build_gpt_training(
     )
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
-    if overlap_grad_reduce:  # as Megatron-LM's train(): sync grads only on the last microbatch
+    if overlap_grad_reduce or no_sync:  # as Megatron-LM's train(): sync grads only on the last microbatch
         config.no_sync_func = model[0].no_sync
     return GPTTraining(model, optimizer, config, shape, loss_scale=loss_scale)
 

@@ -40,16 +40,16 @@ def pool() -> MappedPool:
     return MappedPool()
 
 
-def streamed_training(pool: MappedPool, **offload: object):
+def streamed_training(pool: MappedPool, layer_major: bool = False, seed: int = 1234, **offload: object):
     # Held by live tensors, not mapped: the pool reuses what an earlier run of this module freed. That run's
     # garbage is collected first: freed during the build, it would hide what the build allocated.
     gc.collect()
     before = mapped_allocated_bytes()
     with pool.allocating():
-        training = build_gpt_training(SHAPE, recompute=True)
+        training = build_gpt_training(SHAPE, seed=seed, recompute=True, no_sync=layer_major)
     assert mapped_allocated_bytes() > before, "the model was not built in host memory"
     move_buffers_to_gpu(training.model)
-    handle = attach_weight_streamer(training.model)
+    handle = attach_weight_streamer(training.model, layer_major=layer_major)
     state = attach_offloader(training.optimizer, offload_master_weights=False, **offload)
     return training, handle, state
 
@@ -68,6 +68,36 @@ def test_streamed_weights_train_bitwise_like_no_offload(reference, pool: MappedP
     assert stats.bytes_in >= STEPS * SHAPE.num_micro_batches * SHAPE.num_layers * layer_bytes
     assert stats.bytes_out > 0
     handle.detach()
+
+
+def test_layer_major_backward_trains_bitwise_and_each_layer_leaves_once_a_step(reference, pool: MappedPool) -> None:
+    from megatron.core import tensor_parallel
+
+    original = tensor_parallel.checkpoint
+    expected_results, expected = reference
+    training, handle, state = streamed_training(pool, layer_major=True)
+    assert tensor_parallel.checkpoint is not original
+    results = train(training, STEPS)
+    assert [loss for loss, _ in results] == [loss for loss, _ in expected_results]
+    state.detach()
+    assert_bitwise_equal(expected, snapshot(training))
+    streamer = handle.streamer
+    stats = handle.read_stats()
+    # every layer's gradients leave once a step, the resident unit's once: no running sum comes back
+    assert stats.bytes_out == STEPS * (sum(u.grad_nbytes for u in streamer.layers) + streamer.resident.grad_nbytes)
+    forwards = STEPS * SHAPE.num_micro_batches * SHAPE.num_layers * streamer.layers[0].nbytes
+    assert stats.bytes_in <= forwards + STEPS * (
+        SHAPE.num_layers * streamer.layers[0].nbytes + streamer.resident.nbytes
+    )
+    handle.detach()
+    assert tensor_parallel.checkpoint is original
+
+
+def test_layer_major_backward_refuses_tied_embeddings(pool: MappedPool) -> None:
+    with pool.allocating():
+        training = build_gpt_training(SHAPE, recompute=True, tied=True)
+    with pytest.raises(ValueError, match="--untie-embeddings-and-output-weights"):
+        attach_weight_streamer(training.model, layer_major=True)
 
 
 def test_params_and_grads_live_in_host_memory_between_steps(pool: MappedPool) -> None:
@@ -94,17 +124,20 @@ def unit_home(handle, param) -> int:
     raise AssertionError("param not streamed")
 
 
-def test_torch_dist_save_and_resume_with_streamed_weights_is_bitwise(reference, pool: MappedPool, tmp_path) -> None:
+@pytest.mark.parametrize("layer_major", [False, True])
+def test_torch_dist_save_and_resume_with_streamed_weights_is_bitwise(
+    reference, pool: MappedPool, tmp_path, layer_major: bool
+) -> None:
     """Saved after 3 steps with weights streamed and state offloaded; the saving run goes on, and a run of
     another seed (its own weights and state in host memory) loads and goes on: both end bitwise where the
-    uninterrupted run without offloading ends."""
+    uninterrupted run without offloading ends. In the loop's backward order and in the layer order."""
     from tests.gpu.test_checkpoint import load_checkpoint, save_checkpoint
 
     expected_results, expected = reference
     save_after = 3
     checkpoint_dir = tmp_path / "iter_0000003"
     checkpoint_dir.mkdir()
-    saving, saving_weights, saving_state = streamed_training(pool)
+    saving, saving_weights, saving_state = streamed_training(pool, layer_major=layer_major)
     assert train(saving, save_after) == expected_results[:save_after]
     save_checkpoint(saving, str(checkpoint_dir))
     tail = [saving.train_step(i) for i in range(save_after, STEPS)]
@@ -113,11 +146,7 @@ def test_torch_dist_save_and_resume_with_streamed_weights_is_bitwise(reference, 
     assert_bitwise_equal(expected, snapshot(saving))
     saving_weights.detach()
 
-    with pool.allocating():
-        resumed = build_gpt_training(SHAPE, seed=4321, recompute=True)
-    move_buffers_to_gpu(resumed.model)
-    weights = attach_weight_streamer(resumed.model)
-    state = attach_offloader(resumed.optimizer, offload_master_weights=False)
+    resumed, weights, state = streamed_training(pool, layer_major=layer_major, seed=4321)
     for iteration in (100, 101):  # torch Adam's state must exist before a load can be planned
         resumed.train_step(iteration)
     load_checkpoint(resumed, str(checkpoint_dir))

@@ -78,7 +78,9 @@ def test_the_weight_step_mode_is_read_once_in_validation_and_passed_down(
 ) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     parse_and_validate(megatron, monkeypatch, "--offload-weights-step", "megatron")
-    assert current_run().weights.config == WeightConfig(enabled=False, step="megatron")
+    config = current_run().weights.config
+    assert (config.enabled, config.step, config.order) == (False, "megatron", "micro-batch")
+    assert "tied embeddings" in config.why  # Megatron-LM ties them unless told otherwise
 
     handle, streamed = types.SimpleNamespace(say=None), []
     monkeypatch.setattr(megatron_training, "attach_offloader", lambda optimizer, config: handle)
@@ -97,3 +99,6 @@ def test_a_weight_config_refuses_an_unknown_step() -> None:
     assert WeightConfig(enabled=True).streamed_step and not WeightConfig(enabled=True, step="megatron").streamed_step
     with pytest.raises(ValueError, match="--offload-weights-step must be one of streamed, megatron"):
         WeightConfig(step="fast")
+    assert WeightConfig(enabled=True, order="layer").layer_major and not WeightConfig(order="layer").layer_major
+    with pytest.raises(ValueError, match="--offload-weights-order decides between layer, micro-batch"):
+        WeightConfig(order="auto")  # decided when read from the flags, never left to later

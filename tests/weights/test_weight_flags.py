@@ -80,3 +80,35 @@ def test_the_launchers_early_check_of_our_flags_alone_passes() -> None:
     args = add_offload_args(argparse.ArgumentParser()).parse_args(["--offload-optimizer-states", "--offload-weights"])
     args.use_distributed_optimizer = True
     check_offload_combinations(args)
+
+
+@pytest.mark.parametrize(
+    ("argv", "megatron", "order"),
+    [
+        ([], {}, "micro-batch"),  # Megatron ties the embeddings by default
+        ([], {"untie_embeddings_and_output_weights": True}, "micro-batch"),  # layer inputs would stay on the GPU
+        (["--offload-layer-inputs"], {"untie_embeddings_and_output_weights": True}, "layer"),
+        (
+            ["--offload-layer-inputs", "--offload-weights-order", "micro-batch"],
+            {"untie_embeddings_and_output_weights": True},
+            "micro-batch",
+        ),
+        (["--offload-weights-order", "layer"], {"untie_embeddings_and_output_weights": True}, "layer"),
+    ],
+)
+def test_auto_takes_the_layer_order_where_it_is_bitwise_and_costs_no_gpu_memory(argv, megatron, order) -> None:
+    from megatron_offload.config.weight_flags import weight_config_from_args
+
+    config = weight_config_from_args(parse(*SUPPORTED, *argv, **megatron))
+    assert config.order == order and config.layer_major == (order == "layer") and config.why
+
+
+def test_the_layer_order_with_tied_embeddings_is_refused_in_one_line() -> None:
+    args = parse(*SUPPORTED, "--offload-weights-order", "layer", use_distributed_optimizer=True)
+    with pytest.raises(ValueError) as error:
+        check_offload_combinations(args)
+    message = str(error.value)
+    assert "--offload-weights-order layer" in message and "--untie-embeddings-and-output-weights" in message
+    assert "\n" not in message
+    args.untie_embeddings_and_output_weights = True
+    check_offload_combinations(args)
