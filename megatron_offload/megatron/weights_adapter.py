@@ -19,13 +19,14 @@ What it relies on:
   distribute_saved_activations, hidden_states, ...)`` through the module attribute, once per layer; it is
   replaced for as long as the handle is attached (the one module-level name weight streaming sets), and
   the deferred backwards run first thing in ``finish_grad_sync``, from roots whose data was given back,
-  with megatron-core's own ``custom_backward``. Megatron's loop runs the micro-batches but the last
-  outside ``no_sync``, so a bucket group's ``is_last_microbatch`` says whether another forward follows.
+  with megatron-core's own ``custom_backward``. Whether another micro-batch's forward follows: Megatron's
+  micro-batch calculator (``get_num_microbatches``), else DDP's ``is_last_microbatch`` (which only a
+  ``no_sync`` context clears, and Megatron-LM installs one only with --overlap-grad-reduce).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,6 +132,22 @@ def tied_embeddings(model_chunks: list[Any]) -> bool:
     return any(getattr(m, "share_embeddings_and_output_weights", False) for c in model_chunks for m in c.modules())
 
 
+def _another_forward_follows(streamer: WeightStreamer, model_chunks: list[Any]) -> Callable[[], bool]:
+    """Whether another micro-batch's forward follows the one running (before the layer-major backward):
+    fewer forwards begun this step than Megatron's micro-batches per step; without Megatron's micro-batch
+    calculator (megatron-core used alone), DDP's ``is_last_microbatch``, which ``no_sync`` clears."""
+
+    def follows() -> bool:
+        try:
+            from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+            return streamer.forwards < get_num_microbatches()
+        except (ImportError, AttributeError, AssertionError):
+            return not _in_last_microbatch(model_chunks)
+
+    return follows
+
+
 def _wrap_checkpoint(layer_major: LayerMajorBackward) -> None:
     from megatron.core import tensor_parallel
 
@@ -202,7 +219,7 @@ def attach_weight_streamer(
         from megatron.core.pipeline_parallel.schedules import custom_backward
 
         handle.layer_major = LayerMajorBackward(streamer, custom_backward)
-        streamer.forward_again = lambda: not _in_last_microbatch(model_chunks)
+        streamer.forward_again = _another_forward_follows(streamer, model_chunks)
         _wrap_checkpoint(handle.layer_major)
     handle.patches.call_before(chunk, "zero_grad_buffer", handle.new_step)  # a new step: nothing lent from before
     handle.patches.call_before(chunk, "finish_grad_sync", handle.finish_backward)  # gradients whole on host

@@ -146,6 +146,9 @@ class LayerMajorBackward:
                         self.backward_from(root, grad)
         finally:
             self.streamer.again = False
+            # A new one each step: a leaf kept across iterations keeps its AccumulateGrad node, which autograd
+            # warns about when a later backward runs on another stream.
+            self._anchor = None
 
     def clear(self) -> None:
         """Forget segments whose backward never ran (a forward without backward)."""

@@ -77,6 +77,7 @@ class WeightStreamer:
         self.last_out: Event | None = None  # the latest copy to host queued
         self.backward_ran = False  # a backward ran since the last settle
         self.uses = 0  # streamed-layer uses so far (forwards and recomputes)
+        self.forwards = 0  # forwards of the first streamed layer since the step began (micro-batches begun)
         self.again = False  # set by layer-major backward: the next backward is of the same layer
         self.stats = WeightStats(gpu_bytes=self.weights.nbytes + self.grads.nbytes + self._resident_nbytes())
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
@@ -93,6 +94,7 @@ class WeightStreamer:
         self.uses += 1
         self.now = self.schedule.position(index, backward)
         if not backward:
+            self.forwards += index == 0
             self.schedule.forward_again = self.forward_again()
         self._lend(unit, self._slot_with_weights(unit), grads=False)
         if backward:
@@ -133,6 +135,7 @@ class WeightStreamer:
     def new_step(self) -> None:
         """A training step begins: settle what an evaluation left lent; no norms taken yet."""
         self.settle()
+        self.forwards = 0
         if self.norms is not None:
             self.norms.clear()
 
