@@ -20,8 +20,9 @@
 #                         --offload-layer-inputs in Megatron-LM's loop; LONG_PART=fit|speed (the 4.18B GPT at
 #                         65,536 tokens, H200), bitwise (16 x 2048 at 16k), longest (LONG_CONFIG, LONG_CAP),
 #                         step (configs/gpt_1b.yaml at 16k, 8 micro-batches: the optimizer step in one streamed
-#                         pass beside megatron-core's passes and no offload, bitwise), short (the 4.18B GPT at
-#                         4,096 tokens x 4 micro-batches under 16 GiB beside no offload, the link measured first, H200)
+#                         pass beside megatron-core's passes and no offload, bitwise), short (the 4.18B GPT,
+#                         untied, at 4,096 tokens x 4 micro-batches under 16 GiB, backward in layer order, the
+#                         whole state off the GPU at the peak, beside no offload, the link measured first, H200)
 #            nightly      (not in the default) scripts/nightly_memory.sh without the CPU-offload reference row
 #            stepspeed    (not in the default) benchmarks/streamed_step_speed.py: the optimizer-state offloader's
 #                         streamed step, its copies alone and AdamW's own step beside the link ($STEPSPEED_ARGS)
@@ -117,7 +118,7 @@ if wants long; then  # not in the default PARTS: long context in Megatron-LM's l
     bitwise) long_args="--config configs/gpt_1b.yaml --extra '--num-layers 16' --seq 16384 --cap 0 --rows new base --train-iters 6 --global-batch-size 2 --deterministic" ;;
     longest) long_args="--config ${LONG_CONFIG:-configs/gpt_1b.yaml} --cap ${LONG_CAP:-24} --rows --longest 16384 262144" ;;
     step) long_args="--config configs/gpt_1b.yaml --seq 16384 --cap 0 --rows new base --train-iters 6 --global-batch-size 8 --deterministic" ;;
-    short) long_args="--config configs/gpt_4b.yaml --seq 4096 --cap 16 --rows new base --train-iters 6 --global-batch-size 4 --link" ;;  # H200
+    short) long_args="--config configs/gpt_4b.yaml --seq 4096 --cap 16 --rows new base --train-iters 6 --global-batch-size 4 --link --extra='--untie-embeddings-and-output-weights --offload-prefetch step'" ;;  # H200
   esac
   echo "=== long context (${LONG_PART:-fit}): ${LONG_ARGS:-$long_args}"
   eval "python3 -m benchmarks.long_context --megatron-lm \"${MEGATRON_LM:-.megatron-lm}\" ${LONG_ARGS:-$long_args} \

@@ -77,6 +77,13 @@ class Unit:
             pairs.append((run.host_grads, gpu) if to_host else (gpu, run.host_grads))
         return pairs
 
+    def zero_host_grads(self) -> None:
+        """Zero the host gradients, as the framework's zeroing would have; they are fresh again."""
+        for run in self.runs:
+            if run.host_grads is not None:
+                run.host_grads.zero_()
+        self.grads_stale = False
+
     @property
     def nbytes(self) -> int:
         return sum(r.host_weights.numel() * r.host_weights.element_size() for r in self.runs)

@@ -21,9 +21,8 @@ first copy out of a step writes every element of its host ranges from a slot tha
 and nothing reads them before; a unit whose gradients never left in a step is zeroed at ``settle()``.
 NOTE: with ``norms``, each unit's per-tensor gradient norms are taken in its slot when its gradients
 leave after the last micro-batch (``last_microbatch()``), before the copy out is ordered.
-NOTE: layer-major backward (layer_major.py) runs a layer's backwards for every micro-batch in a row;
-while ``again`` is set, a backward's end keeps the layer lent and its gradient slot summing (``summing``),
-and the forwards before it wrap to the next micro-batch's first layer (``forward_again()``).
+NOTE: layer-major backward (layer_major.py): while ``again`` is set a backward's end keeps the layer lent and
+its slot summing; forwards wrap to the next micro-batch's first layer while ``forward_again()``.
 """
 
 from __future__ import annotations
@@ -61,31 +60,24 @@ class WeightStreamer:
         if weight_slots < 2 or grad_slots < 2:
             raise ValueError("weight streaming needs at least two weight slots and two gradient slots")
         self.layers, self.resident, self.streams, self.grad_attr = layers, resident, streams, grad_attr
+        self.units = layers + ([resident] if resident is not None else [])
         self.norms, self.last_microbatch, self.forward_again = norms, last_microbatch, forward_again
         self.schedule = Schedule(len(layers))
         numel = max(unit.numel for unit in layers)
         self.weights = SlotRing(weight_slots, numel, layers[0].weights_dtype, streams.block)
         self.grads = SlotRing(grad_slots, numel, layers[0].grads_dtype, streams.block)
         self.depth = weight_slots - 1  # uses ahead whose weights are fetched
-        self.resident_slots: tuple[Slot, Slot] | None = None
-        if resident is not None:
-            self.resident_slots = (
-                SlotRing(1, resident.numel, resident.weights_dtype, streams.block).slots[0],
-                SlotRing(1, resident.numel, resident.grads_dtype, streams.block).slots[0],
-            )
+        dtypes = (resident.weights_dtype, resident.grads_dtype) if resident is not None else ()
+        rings = [SlotRing(1, resident.numel, dtype, streams.block) for dtype in dtypes]
+        self.resident_slots: tuple[Slot, Slot] | None = (rings[0].slots[0], rings[1].slots[0]) if rings else None
         self.now = 0  # the schedule position of the use in progress
         self.last_out: Event | None = None  # the latest copy to host queued
         self.backward_ran = False  # a backward ran since the last settle
         self.uses = 0  # streamed-layer uses so far (forwards and recomputes)
         self.forwards = 0  # forwards of the first streamed layer since the step began (micro-batches begun)
         self.again = False  # set by layer-major backward: the next backward is of the same layer
-        self.stats = WeightStats(gpu_bytes=self.weights.nbytes + self.grads.nbytes + self._resident_nbytes())
+        self.stats = WeightStats(gpu_bytes=self.weights.nbytes + self.grads.nbytes + sum(r.nbytes for r in rings))
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
-
-    def _resident_nbytes(self) -> int:
-        if self.resident_slots is None:
-            return 0
-        return sum(s.buffer.numel() * s.buffer.element_size() for s in self.resident_slots)
 
     # ------------------------------------------------------------------------ the loop's points
     def before_forward(self, index: int, backward: bool, layer_input: torch.Tensor | None = None) -> None:
@@ -141,7 +133,7 @@ class WeightStreamer:
 
     def skip_zeroing(self) -> None:
         """The framework skipped zeroing the host gradients: each unit's first copy out will overwrite them."""
-        for unit in self._units():
+        for unit in self.units:
             unit.grads_stale = True
 
     def settle(self) -> None:
@@ -159,12 +151,9 @@ class WeightStreamer:
             if unit.lent:
                 self._give_back(unit)
             unit.grads_on_host = False
-        for unit in self._units():
+        for unit in self.units:
             if unit.grads_stale:  # no backward wrote it since the zeroing was skipped: zero, as the framework would
-                for run in unit.runs:
-                    if run.host_grads is not None:
-                        run.host_grads.zero_()
-                unit.grads_stale = False
+                unit.zero_host_grads()
         if self.last_out is not None:
             # On the device: the optimizer's kernels read the host gradients after the last copy out.
             self._wait(self.last_out)
@@ -174,9 +163,6 @@ class WeightStreamer:
         self.backward_ran = False
 
     # ------------------------------------------------------------------------------ internals
-    def _units(self) -> list[Unit]:
-        return self.layers + ([self.resident] if self.resident is not None else [])
-
     def _distance(self, unit: Unit) -> int:
         return self.schedule.distance(unit.index, self.now)
 
