@@ -18,6 +18,7 @@ from megatron_offload.config.refusals import CUDA_GRAPHS, Check, is_not, is_othe
 __all__ = [
     "ORDERS",
     "STEP_MODES",
+    "TIED_REFUSAL",
     "WeightConfig",
     "add_weight_args",
     "backward_order",
@@ -30,6 +31,10 @@ STEP_FLAG = "--offload-weights-step"
 STEP_MODES = ("streamed", "megatron")
 ORDER_FLAG = "--offload-weights-order"
 ORDERS = ("auto", "layer", "micro-batch")
+TIED_REFUSAL = (
+    f"{ORDER_FLAG} layer needs untied embeddings (the shared weight's gradient would sum in another order): add "
+    f"--untie-embeddings-and-output-weights, or use {ORDER_FLAG} micro-batch"
+)
 
 
 @dataclass(frozen=True)
@@ -152,10 +157,7 @@ def check_weight_flags(args: argparse.Namespace, state_offload: bool, derived: b
     if getattr(args, "offload_weights_order", "auto") == "layer" and not getattr(
         args, "untie_embeddings_and_output_weights", False
     ):
-        raise ValueError(
-            f"{ORDER_FLAG} layer needs untied embeddings (the shared weight's gradient would sum in another "
-            "order): add --untie-embeddings-and-output-weights, or use --offload-weights-order micro-batch"
-        )
+        raise ValueError(TIED_REFUSAL)
     if not derived:
         return
     if (getattr(args, "data_parallel_size", 1) or 1) > 1 or (getattr(args, "world_size", 1) or 1) > 1:

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from megatron_offload.config.weight_flags import TIED_REFUSAL
 from megatron_offload.core.patches import InstancePatches
 from megatron_offload.core.streams import streams_for
 from megatron_offload.megatron.optimizer_internals import _in_last_microbatch
@@ -122,6 +123,7 @@ class WeightHandle:
         self.streamer.settle()
 
     def new_step(self) -> None:
+        """A training step begins (``zero_grad_buffer``): nothing lent or deferred from before."""
         if self.layer_major is not None:
             self.layer_major.clear()  # a forward that no backward followed (evaluation under grad)
         self.streamer.new_step()
@@ -175,10 +177,7 @@ def attach_weight_streamer(
     if len(model_chunks) != 1:
         raise ValueError("--offload-weights streams one model chunk (no virtual pipeline stages)")
     if layer_major and tied_embeddings(model_chunks):
-        raise ValueError(
-            "--offload-weights-order layer needs untied embeddings (their gradient sums would change order): "
-            "add --untie-embeddings-and-output-weights or use --offload-weights-order micro-batch"
-        )
+        raise ValueError(TIED_REFUSAL)
     chunk = model_chunks[0]
     where = _index(chunk)
     layer_type = _transformer_layer_type()
