@@ -30,6 +30,7 @@ FLAG = "--offload-weights"
 STEP_FLAG = "--offload-weights-step"
 STEP_MODES = ("streamed", "megatron")
 ORDER_FLAG = "--offload-weights-order"
+SLOTS_FLAG = "--offload-weights-slots"
 ORDERS = ("auto", "layer", "micro-batch")
 TIED_REFUSAL = (
     f"{ORDER_FLAG} layer needs untied embeddings (the shared weight's gradient would sum in another order): add "
@@ -51,12 +52,19 @@ class WeightConfig:
     the layer brought in once) or "micro-batch" (the loop's own order)."""
     why: str = ""
     """Why that order, for the log."""
+    weight_slots: int = 3
+    """GPU buffers the streamed layers' weights take turns in (two on their way while one computes; more keep
+    layers on the GPU between micro-batches)."""
 
     def __post_init__(self) -> None:
         if self.step not in STEP_MODES:
             raise ValueError(f"{STEP_FLAG} must be one of {', '.join(STEP_MODES)}; got {self.step!r}")
         if self.order not in ORDERS[1:]:
             raise ValueError(f"{ORDER_FLAG} decides between {', '.join(ORDERS[1:])}; got {self.order!r}")
+        if self.weight_slots < 2:
+            raise ValueError(
+                f"{SLOTS_FLAG} needs at least 2 (one layer computing, the next arriving); got {self.weight_slots}"
+            )
 
     @property
     def layer_major(self) -> bool:
@@ -85,7 +93,11 @@ def weight_config_from_args(args: argparse.Namespace) -> WeightConfig:
     """The weight-streaming settings of parsed (and validated) arguments."""
     order, why = backward_order(args)
     return WeightConfig(
-        bool(getattr(args, "offload_weights", False)), getattr(args, "offload_weights_step", "streamed"), order, why
+        bool(getattr(args, "offload_weights", False)),
+        getattr(args, "offload_weights_step", "streamed"),
+        order,
+        why,
+        getattr(args, "offload_weights_slots", 3),
     )
 
 
@@ -108,6 +120,16 @@ def add_weight_args(group: argparse._ArgumentGroup) -> None:
         "--untie-embeddings-and-output-weights; keeps every micro-batch's layer inputs until the backward, in "
         "host memory with --offload-layer-inputs). micro-batch: the training loop's own order. auto (default): "
         "layer where it is untied and the layer inputs go to host memory.",
+    )
+    group.add_argument(
+        SLOTS_FLAG,
+        type=int,
+        default=3,
+        metavar="N",
+        help="GPU slots for the streamed layers' weights, each as large as the largest layer's bf16 weights "
+        "(default 3: one layer computing, two on their way). More slots keep layers on the GPU between "
+        "micro-batches, the one needed last giving way first: each costs one layer's weights of GPU memory and "
+        "saves up to one copy of a layer per micro-batch.",
     )
     # Hidden: megatron-core's own step passes over host memory, to compare the streamed step against.
     group.add_argument(STEP_FLAG, choices=STEP_MODES, default="streamed", help=argparse.SUPPRESS)
@@ -154,6 +176,11 @@ def check_weight_flags(args: argparse.Namespace, state_offload: bool, derived: b
             "must leave it too): add --offload-optimizer-states"
         )
     refuse(args, FLAG, _AS_GIVEN)
+    if (getattr(args, "offload_weights_slots", 3) or 0) < 2:
+        raise ValueError(
+            f"{SLOTS_FLAG} {args.offload_weights_slots} is too few: give 2 or more (one layer computing, the next "
+            "arriving)"
+        )
     if getattr(args, "offload_weights_order", "auto") == "layer" and not getattr(
         args, "untie_embeddings_and_output_weights", False
     ):

@@ -83,7 +83,9 @@ class StreamedWeights:
 
     def stream(self, model: list[Any]) -> None:
         moved = move_buffers_to_gpu(model)
-        handle = attach_weight_streamer(model, layer_major=self.config.layer_major)
+        handle = attach_weight_streamer(
+            model, weight_slots=self.config.weight_slots, layer_major=self.config.layer_major
+        )
         self.handles.append(handle)
         torch.cuda.reset_peak_memory_stats()  # the build's host-memory growth is not a GPU peak
         streamer = handle.streamer

@@ -37,7 +37,9 @@ from megatron_offload.weights.plan import Schedule, Unit
 from megatron_offload.weights.slots import Slot, SlotRing
 from megatron_offload.weights.stats import WeightStats
 
-__all__ = ["WeightStreamer"]
+__all__ = ["PREFETCH_AHEAD", "WeightStreamer"]
+
+PREFETCH_AHEAD = 2  # layers whose weights are on their way while one computes
 
 
 class WeightStreamer:
@@ -66,7 +68,9 @@ class WeightStreamer:
         numel = max(unit.numel for unit in layers)
         self.weights = SlotRing(weight_slots, numel, layers[0].weights_dtype, streams.block)
         self.grads = SlotRing(grad_slots, numel, layers[0].grads_dtype, streams.block)
-        self.depth = weight_slots - 1  # uses ahead whose weights are fetched
+        # Uses ahead whose weights are fetched. More slots than that keep layers between micro-batches (the slot
+        # whose layer is needed last goes first), which saves their copies rather than fetching further ahead.
+        self.depth = min(weight_slots - 1, PREFETCH_AHEAD)
         dtypes = (resident.weights_dtype, resident.grads_dtype) if resident is not None else ()
         rings = [SlotRing(1, resident.numel, dtype, streams.block) for dtype in dtypes]
         self.resident_slots: tuple[Slot, Slot] | None = (rings[0].slots[0], rings[1].slots[0]) if rings else None

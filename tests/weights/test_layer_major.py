@@ -29,8 +29,8 @@ class CutModel(Model):
         return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), tokens.flatten())
 
 
-def layer_major(model: CutModel, micro_batches: int):
-    streamer, grads = streamed(model)
+def layer_major(model: CutModel, micro_batches: int, weight_slots: int = 3):
+    streamer, grads = streamed(model, weight_slots)
     deferred = LayerMajorBackward(streamer, custom_backward)
     model.checkpoint = deferred.wrap(checkpoint, input_at=0)
     position = {"micro_batch": 0}
@@ -169,3 +169,29 @@ def test_with_layer_inputs_in_host_memory_each_moves_once_and_the_bits_hold() ->
     assert stats.sent == stats.fetched == micro_batches * (LAYERS - 1)  # each pass's last input stays
     assert stats.bytes_out == stats.bytes_in == micro_batches * (LAYERS - 1) * one
     assert stats.gpu_slot_bytes <= (micro_batches + 1) * one
+
+
+@pytest.mark.parametrize("weight_slots", [LAYERS + 1, LAYERS, LAYERS - 1])
+def test_more_weight_slots_keep_layers_between_micro_batches(weight_slots: int) -> None:
+    """With a slot for every layer each comes in once a step, for every forward and backward. With fewer, the
+    slot of the layer needed last gives way: slots - 1 layers stay, and the others come in again for each later
+    forward and for the backward. Still two fetched ahead; bitwise."""
+    micro_batches = 3
+    copies = LAYERS + (micro_batches * (LAYERS - weight_slots + 1) if weight_slots < LAYERS else 0)
+    reference, model = Model(), CutModel()
+    _, reference_grads, _ = to_flat_buffers(reference)
+    streamer, grads, deferred, position = layer_major(model, micro_batches, weight_slots)
+    assert streamer.depth == 2
+    unit = streamer.layers[0]
+    for iteration in range(2):
+        reference_grads.zero_()
+        grads.zero_()
+        streamer.new_step()
+        before = streamer.stats.bytes_in
+        tokens = batches(iteration, micro_batches)
+        expected = step(reference, tokens)
+        losses = step(model, tokens, deferred, position)
+        streamer.settle()
+        assert all(torch.equal(a, b) for a, b in zip(losses, expected, strict=True))
+        assert torch.equal(grads, reference_grads)
+        assert (streamer.stats.bytes_in - before - streamer.resident.nbytes) // unit.nbytes == copies

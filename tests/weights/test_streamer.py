@@ -84,12 +84,12 @@ def unit_of(
     return Unit(name, index, placed, runs, resident=resident, weights_dtype=weights.dtype, grads_dtype=grads.dtype)
 
 
-def streamed(model: Model) -> tuple[WeightStreamer, torch.Tensor]:
+def streamed(model: Model, weight_slots: int = 3) -> tuple[WeightStreamer, torch.Tensor]:
     weights, grads, spans = to_flat_buffers(model)
     layers = [unit_of(f"block{i}", i, list(b.parameters()), weights, grads, spans) for i, b in enumerate(model.blocks)]
     rest = list(model.embedding.parameters()) + list(model.head.parameters())
     resident = unit_of("resident", -1, rest, weights, grads, spans, resident=True)
-    streamer = WeightStreamer(layers, resident, HostStreams())
+    streamer = WeightStreamer(layers, resident, HostStreams(), weight_slots=weight_slots)
     for i, block in enumerate(model.blocks):
 
         def pre(module, args, i=i):

@@ -112,3 +112,14 @@ def test_the_layer_order_with_tied_embeddings_is_refused_in_one_line() -> None:
     assert "\n" not in message
     args.untie_embeddings_and_output_weights = True
     check_offload_combinations(args)
+
+
+def test_weight_slots_are_read_and_too_few_are_refused_in_one_line() -> None:
+    from megatron_offload.config.weight_flags import weight_config_from_args
+
+    assert weight_config_from_args(parse(*SUPPORTED, "--offload-weights-slots", "12")).weight_slots == 12
+    assert weight_config_from_args(parse(*SUPPORTED)).weight_slots == 3
+    args = parse(*SUPPORTED, "--offload-weights-slots", "1", use_distributed_optimizer=True)
+    with pytest.raises(ValueError) as error:
+        check_offload_combinations(args)
+    assert "--offload-weights-slots 1" in str(error.value) and "\n" not in str(error.value)
