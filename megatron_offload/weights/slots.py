@@ -8,7 +8,7 @@ known order of uses: the slot whose layer is needed last (or not at all) goes fi
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +25,16 @@ class Slot:
     ready: Event | None = None  # the copy that fills it: the compute stream waits for it before use
     free_after: Event | None = None  # its copy to host: nothing may write the slot before it completed
     in_use: bool = False  # lent to the compute stream now
+    views: dict[tuple[int, bool], list[torch.Tensor]] = field(default_factory=dict)
+
+    def views_for(self, unit: Unit, grads: bool) -> list[torch.Tensor]:
+        """The buffer's views shaped as ``unit``'s params (its weights or its gradients), made once."""
+        key = (unit.index, grads)
+        if key not in self.views:
+            self.views[key] = [
+                self.buffer[p.offset : p.offset + p.param.numel()].view(p.param.shape) for p in unit.placed
+            ]
+        return self.views[key]
 
 
 class SlotRing:

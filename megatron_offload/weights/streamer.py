@@ -81,7 +81,6 @@ class WeightStreamer:
         self.forwards = 0  # forwards of the first streamed layer since the step began (micro-batches begun)
         self.again = False  # set by layer-major backward: the next backward is of the same layer
         self.stats = WeightStats(gpu_bytes=self.weights.nbytes + self.grads.nbytes + sum(r.nbytes for r in rings))
-        self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
 
     # ------------------------------------------------------------------------ the loop's points
     def before_forward(self, index: int, backward: bool, layer_input: torch.Tensor | None = None) -> None:
@@ -205,12 +204,7 @@ class WeightStreamer:
                 slot.free_after = None
             slot.buffer[: unit.numel].zero_()  # first micro-batch: the sum starts at zero, as the framework's
         slot.in_use = True
-        key = (id(slot), unit.index * 2 + grads)
-        views = self._views.get(key)
-        if views is None:
-            views = [slot.buffer[p.offset : p.offset + p.param.numel()].view(p.param.shape) for p in unit.placed]
-            self._views[key] = views
-        for placed, view in zip(unit.placed, views, strict=True):
+        for placed, view in zip(unit.placed, slot.views_for(unit, grads), strict=True):
             if grads:
                 setattr(placed.param, self.grad_attr, view)
             else:
