@@ -23,6 +23,7 @@ __all__ = [
     "add_weight_args",
     "backward_order",
     "check_weight_flags",
+    "ignored_weight_flags",
     "weight_config_from_args",
 ]
 
@@ -87,6 +88,17 @@ def backward_order(args: argparse.Namespace) -> tuple[str, str]:
     if not getattr(args, "offload_layer_inputs", False):
         return "micro-batch", "layer inputs on the GPU; the layer order needs --offload-layer-inputs"
     return "layer", "untied embeddings, layer inputs in host memory"
+
+
+def ignored_weight_flags(args: argparse.Namespace) -> list[str]:
+    """The weight-streaming flags given a value other than their default without --offload-weights, where they
+    do nothing."""
+    if getattr(args, "offload_weights", False):
+        return []
+    defaults = {"offload_weights_order": "auto", "offload_weights_slots": 3, "offload_weights_step": "streamed"}
+    return [
+        f"--{name.replace('_', '-')}" for name, default in defaults.items() if getattr(args, name, default) != default
+    ]
 
 
 def weight_config_from_args(args: argparse.Namespace) -> WeightConfig:

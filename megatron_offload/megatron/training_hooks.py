@@ -54,7 +54,7 @@ from megatron_offload.config.flags import (
     which_offloader,
 )
 from megatron_offload.config.long_context_flags import layer_input_bytes_per_rank, long_context_config_from_args
-from megatron_offload.config.weight_flags import weight_config_from_args
+from megatron_offload.config.weight_flags import FLAG, ignored_weight_flags, weight_config_from_args
 from megatron_offload.core.gpu_memory import apply_memory_cap, gpu_only, use_expandable_segments_by_default
 from megatron_offload.core.host_memory import HostMemoryError, check_host_room
 from megatron_offload.megatron.adam_resume import fix_torch_adam_checkpoints
@@ -150,10 +150,13 @@ def install_training_hooks() -> None:
         which = which_offloader(args)
         if which:
             print_once(which)
-        ignored = ignored_offload_flags(args)
-        if ignored:
-            verb = "has" if len(ignored) == 1 else "have"
-            print_once(f"megatron-offload: {', '.join(ignored)} {verb} no effect without --offload-optimizer-states")
+        for ignored, needed in (
+            (ignored_offload_flags(args), "--offload-optimizer-states"),
+            (ignored_weight_flags(args), FLAG),
+        ):
+            if ignored:
+                verb = "has" if len(ignored) == 1 else "have"
+                print_once(f"megatron-offload: {', '.join(ignored)} {verb} no effect without {needed}")
         if wants_host_memory(args) and getattr(args, "offload_host_memory_check", True):
             needed = (host_bytes_per_rank(args) or 0) + layer_input_bytes_per_rank(args)
             if needed:  # before the model is built: a node that cannot hold the state stops here, in one line

@@ -84,6 +84,18 @@ def test_a_config_file_turns_megatron_switches_off_and_ignored_flags_are_named(
     assert MEGATRON_DUMP in out  # a working combination: Megatron's validation ran
 
 
+def test_weight_streaming_flags_without_it_are_named(
+    megatron: types.ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    parse_and_validate(megatron, monkeypatch, "--offload-weights-order", "layer", "--offload-weights-slots", "8")
+    out = capsys.readouterr().out
+    assert (
+        "megatron-offload: --offload-weights-order, --offload-weights-slots have no effect without --offload-weights\n"
+        in out
+    )
+
+
 def test_the_launcher_stops_without_cuda_before_running_the_script(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
