@@ -13,6 +13,7 @@ import argparse
 
 from megatron_offload.config.flags import DEFAULTS, UPSTREAM_FLAG, config_from_args, offload_requested
 from megatron_offload.config.long_context_flags import check_long_context_flags
+from megatron_offload.config.refusals import changed_flags
 from megatron_offload.config.weight_flags import check_weight_flags
 
 __all__ = ["check_offload_combinations", "ignored_offload_flags", "validate_offload_args"]
@@ -107,9 +108,4 @@ def ignored_offload_flags(args: argparse.Namespace) -> list[str]:
         "offload_fraction": DEFAULTS.fraction,
         "offload_host_memory_check": DEFAULTS.check_host_memory,
     }
-    flags = []
-    for name, default in defaults.items():
-        if getattr(args, name, default) != default:
-            flag = name.replace("_", "-")
-            flags.append(f"--no-{flag}" if default is True else f"--{flag}")
-    return flags
+    return changed_flags(args, defaults)

@@ -7,7 +7,18 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-__all__ = ["CUDA_GRAPHS", "Check", "flag", "is_not", "is_other_than", "on", "over_one", "refuse", "set_"]
+__all__ = [
+    "CUDA_GRAPHS",
+    "Check",
+    "changed_flags",
+    "flag",
+    "is_not",
+    "is_other_than",
+    "on",
+    "over_one",
+    "refuse",
+    "set_",
+]
 
 Test = Callable[[argparse.Namespace, str], bool]
 Check = tuple[str, Test, str]  # (argument name, is it unsupported?, what to tell the user)
@@ -54,3 +65,14 @@ def refuse(args: argparse.Namespace, subject: str, checks: list[Check]) -> None:
         # ours): Megatron's own parse comes through here again with every name present.
         if hasattr(args, name) and unsupported(args, name):
             raise ValueError(f"{subject} {advice} (got {flag(name)} {getattr(args, name)})")
+
+
+def changed_flags(args: argparse.Namespace, defaults: dict[str, object]) -> list[str]:
+    """The flags among ``defaults`` (argument name: default) given another value, as the user wrote them
+    (``--no-NAME`` for a switch that is on by default)."""
+    flags = []
+    for name, default in defaults.items():
+        if getattr(args, name, default) != default:
+            flag = name.replace("_", "-")
+            flags.append(f"--no-{flag}" if default is True else f"--{flag}")
+    return flags

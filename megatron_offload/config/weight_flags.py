@@ -13,7 +13,17 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from megatron_offload.config.refusals import CUDA_GRAPHS, Check, is_not, is_other_than, on, over_one, refuse, set_
+from megatron_offload.config.refusals import (
+    CUDA_GRAPHS,
+    Check,
+    changed_flags,
+    is_not,
+    is_other_than,
+    on,
+    over_one,
+    refuse,
+    set_,
+)
 
 __all__ = [
     "ORDERS",
@@ -95,10 +105,9 @@ def ignored_weight_flags(args: argparse.Namespace) -> list[str]:
     do nothing."""
     if getattr(args, "offload_weights", False):
         return []
-    defaults = {"offload_weights_order": "auto", "offload_weights_slots": 3, "offload_weights_step": "streamed"}
-    return [
-        f"--{name.replace('_', '-')}" for name, default in defaults.items() if getattr(args, name, default) != default
-    ]
+    return changed_flags(
+        args, {"offload_weights_order": "auto", "offload_weights_slots": 3, "offload_weights_step": "streamed"}
+    )
 
 
 def weight_config_from_args(args: argparse.Namespace) -> WeightConfig:

@@ -66,13 +66,6 @@ class _Cut(torch.autograd.Function):
         return None, None, None
 
 
-def _give_back_data(tensor: torch.Tensor) -> None:
-    """Point ``tensor`` at a one-element placeholder; its graph stays. A view keeps its data (its base
-    holds the storage anyway)."""
-    if tensor._base is None:
-        tensor.data = torch.empty((1,), device=tensor.device, dtype=tensor.dtype)
-
-
 class LayerMajorBackward:
     """Cuts the segments that ``checkpoint`` (as wrapped by ``wrap``) runs with streamed layers, and runs
     their backwards layer-major (see the module docstring). ``backward_from(root, grad)`` runs a backward
@@ -85,6 +78,9 @@ class LayerMajorBackward:
         self.micro_batches: list[list[Segment]] = []  # per micro-batch, its segments in forward order
         self._last_output: torch.Tensor | None = None  # the latest cut's output: the next segment's input
         self._anchor: torch.Tensor | None = None
+        # One element per device and dtype that every root's data points at once given back: nothing reads or
+        # writes a root's data (its backward needs only its graph), so they share it rather than allocate per cut.
+        self._placeholders: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
     def wrap(self, checkpoint: Callable[..., Any], input_at: int = 0) -> Callable[..., Any]:
         """``checkpoint(function, *args, **kwargs)`` as before, its output cut when one of our layers ran
@@ -111,8 +107,12 @@ class LayerMajorBackward:
         if self._anchor is None or self._anchor.device != hidden.device:
             self._anchor = torch.zeros((1,), device=hidden.device, requires_grad=True)
         segment = Segment(hidden)
-        value = hidden.detach()  # the same storage: after the line below, only the cut's output holds it
-        _give_back_data(hidden)
+        value = hidden.detach()  # the same storage: once the root's data is given back, only the cut's output holds it
+        if hidden._base is None:  # a view keeps its data: its base holds the storage anyway
+            key = (hidden.device, hidden.dtype)
+            if key not in self._placeholders:
+                self._placeholders[key] = torch.empty((1,), device=hidden.device, dtype=hidden.dtype)
+            hidden.data = self._placeholders[key]
         out = _Cut.apply(self._anchor, value, segment)
         self.micro_batches[-1].append(segment)
         self._last_output = out
