@@ -41,6 +41,7 @@ MEGATRON_SWITCHES = (
     "--use-custom-fsdp",
     "--use-torch-fsdp2",
     "--optimizer-cuda-graph",
+    "--untie-embeddings-and-output-weights",
     UPSTREAM_FLAG,
 )
 

@@ -116,3 +116,22 @@ def test_megatron_flags_the_check_does_not_know_pass_through(script: str) -> Non
     run.check_offload_flags(
         [*BASE, "--offload-optimizer-states", "--offload-chunk-mb", "32", "--no-offload-master-weights"]
     )
+
+
+def test_the_layer_order_reads_megatrons_untie_switch_from_the_command_line() -> None:
+    weights = [
+        *BASE,
+        "--offload-optimizer-states",
+        "--offload-weights",
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "uniform",
+        "--recompute-num-layers",
+        "1",
+        "--offload-weights-order",
+        "layer",
+    ]
+    run.check_offload_flags([*weights, "--untie-embeddings-and-output-weights"])
+    with pytest.raises(ValueError, match="--offload-weights-order layer needs untied embeddings"):
+        run.check_offload_flags(weights)
