@@ -38,15 +38,19 @@ class PrefetchOnFinalize:
 
 def bring_back_for_step(handle: Handle) -> int:
     """Backward is done (gradients finalized, or the step about to prepare them): start bringing back as much
-    as the limit leaves beside what is allocated now and what the step will add, every copy at once, so the
-    link's way in carries state while megatron-core prepares the gradients and takes their norm; the rest
-    streams through the step (under a tight cap the whole state does not fit at once). Nothing until what
-    stays is decided: before, the peaks are read without state. Returns the bytes started."""
+    as the limit leaves beside what is allocated now and what the step will add (its buffers, kept state not
+    back yet), every copy at once, so the link's way in carries state while megatron-core prepares the
+    gradients and takes their norm; the rest streams through the step (under a tight cap the whole state does
+    not fit at once). Nothing until what stays is decided: before, the peaks are read without state. Returns
+    the bytes started."""
     if not handle.scheduler.decided:
         return 0
     room = None
     if handle.on_cuda:
-        room = max(0, handle.scheduler.backward_room(pacing.allocated_bytes() + handle.step_footprint()))
+        # The step will hold what is allocated now, its own buffers and the kept state not back yet (in the
+        # iteration after the decision all of it: the step brings it back first, into blocks of its own).
+        coming = sum(offloader.kept_to_come_back for offloader in handle.offloaders)
+        room = max(0, handle.scheduler.backward_room(pacing.allocated_bytes() + handle.step_footprint() + coming))
     started = handle.prefetch(max_bytes=room)
     for offloader in handle.offloaders:
         # All of it now: megatron-core's code until the step has no point of ours that would start them.

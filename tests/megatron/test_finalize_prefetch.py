@@ -55,6 +55,7 @@ def test_what_did_not_come_back_starts_back_as_the_step_begins_within_its_room(m
 
     class Offloader:
         copies = Copies()
+        kept_to_come_back = 0
 
     handle = Handle()
     handle.on_cuda, handle.offloaders = True, [Offloader()]
@@ -67,3 +68,30 @@ def test_what_did_not_come_back_starts_back_as_the_step_begins_within_its_room(m
     finalize_prefetch.bring_back_for_step(handle)
     assert handle.prefetched == [handle.scheduler.backward_room(4 * GIB)] and handle.prefetched[0] > 0
     assert Offloader.copies.flushed == [PREFETCH] and OFFLOAD not in Offloader.copies.flushed
+
+
+def test_the_step_after_the_decision_leaves_room_for_the_kept_state_it_brings_back(monkeypatch) -> None:
+    """In the iteration after the decision the kept state is still in host memory: the step brings it back
+    into blocks of its own, so what comes back early leaves room for it (a 4.27B GPT under 16 GiB ran out of
+    memory where the early copies took that room)."""
+    from megatron_offload.megatron import finalize_prefetch
+
+    class Offloader:
+        class copies:  # noqa: N801
+            @staticmethod
+            def flush(direction: str | None = None) -> None:
+                pass
+
+        kept_to_come_back = 2 * GIB
+
+    handle = Handle()
+    handle.on_cuda, handle.offloaders = True, [Offloader()]
+    monkeypatch.setattr(finalize_prefetch.pacing, "allocated_bytes", lambda: 3 * GIB)
+    handle.scheduler.start_step()
+    handle.scheduler.observe_step_end(Peaks(4 * GIB, 4 * GIB), resident=0)
+    handle.scheduler.decide([[GIB, GIB]])
+    finalize_prefetch.bring_back_for_step(handle)
+    assert handle.prefetched == [handle.scheduler.backward_room(5 * GIB)]
+    Offloader.kept_to_come_back = 8 * GIB  # more than the limit leaves: nothing comes back early
+    finalize_prefetch.bring_back_for_step(handle)
+    assert handle.prefetched[-1] == 0

@@ -112,3 +112,15 @@ def test_the_state_on_the_gpu_counts_kept_chunks_and_copies_that_hold_a_block() 
     assert offloader.gpu_state_bytes > kept
     offloader.wait()
     assert offloader.gpu_state_bytes == everything
+
+
+def test_newly_kept_state_counts_as_to_come_back_until_it_holds_memory_again() -> None:
+    """Kept after the state went to host memory, chunks hold no device memory until the step brings them
+    back: what the early copies must leave room for."""
+    offloader = offloader_of((37, 1000, 5, 300, 64, 700, 1), 2000, stepped=True)
+    assert offloader.kept_to_come_back == 0  # nothing kept yet
+    offloader.offload()
+    kept = offloader.keep_bytes(offloader.plan.full_bytes() // 2)
+    assert kept > 0 and offloader.kept_to_come_back == kept
+    offloader.wait()  # everything back where the step runs
+    assert offloader.kept_to_come_back == 0
