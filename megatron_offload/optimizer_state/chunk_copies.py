@@ -132,6 +132,15 @@ class ChunkCopies:
             self.leaving_bytes -= copy.chunk.nbytes
         copy.chunk.copy = None
 
+    def holding_bytes(self) -> int:
+        """State holding GPU memory now: chunks on the GPU, and chunks whose copy either way holds a block."""
+        return sum(chunk.nbytes for chunk in self.state.chunks if chunk.on_gpu or chunk.copy is not None)
+
+    def kept_to_come_back(self) -> int:
+        """Kept state neither on the GPU nor coming back (newly kept, or still leaving)."""
+        away = [not c.on_gpu and (c.copy is None or c.copy.direction != PREFETCH) for c in self.state.chunks]
+        return sum(max(c.nbytes, c.expected) for c, out in zip(self.state.chunks, away, strict=True) if c.kept and out)
+
     @staticmethod
     def leaving(chunk: Chunk) -> bool:
         return chunk.copy is not None and chunk.copy.direction == OFFLOAD

@@ -127,15 +127,11 @@ class OptimizerStateOffloader:
 
     @property
     def gpu_state_bytes(self) -> int:
-        """State holding GPU memory now: chunks on the GPU, and chunks whose copy either way holds a block."""
-        return sum(chunk.nbytes for chunk in self.chunks if chunk.on_gpu or chunk.copy is not None)
+        return self.mover.holding_bytes()
 
     @property
-    def kept_to_come_back(self) -> int:
-        """Kept state neither on the GPU nor coming back (newly kept, or still leaving): the step brings it back
-        into blocks of its own."""
-        away = [not c.on_gpu and (c.copy is None or c.copy.direction != PREFETCH) for c in self.chunks]
-        return sum(max(c.nbytes, c.expected) for c, out in zip(self.chunks, away, strict=True) if c.kept and out)
+    def kept_to_come_back(self) -> int:  # the step brings it back into blocks of its own
+        return self.mover.kept_to_come_back()
 
     # ------------------------------------------------- the plan's and the copies' own operations
     def plan_is_current(self) -> bool:
