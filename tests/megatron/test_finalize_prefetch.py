@@ -26,6 +26,24 @@ class Handle:
         return 0
 
 
+class Copies:
+    """An offloader's copy queue, as the wrapper meets it: it records which directions were flushed."""
+
+    def __init__(self) -> None:
+        self.flushed: list[str | None] = []
+
+    def flush(self, direction: str | None = None) -> None:
+        self.flushed.append(direction)
+
+
+class Offloader:
+    """What the wrapper reads of an offloader: its copies, and the kept state not back yet."""
+
+    def __init__(self, kept_to_come_back: int = 0) -> None:
+        self.copies = Copies()
+        self.kept_to_come_back = kept_to_come_back
+
+
 def test_nothing_comes_back_early_until_what_stays_is_decided() -> None:
     handle, finalized = Handle(), []
     wrapper = PrefetchOnFinalize(lambda: finalized.append(True), handle)
@@ -46,19 +64,9 @@ def test_what_did_not_come_back_starts_back_as_the_step_begins_within_its_room(m
     from megatron_offload.core.streams import OFFLOAD, PREFETCH
     from megatron_offload.megatron import finalize_prefetch
 
-    class Copies:
-        def __init__(self) -> None:
-            self.flushed: list[str | None] = []
-
-        def flush(self, direction: str | None = None) -> None:
-            self.flushed.append(direction)
-
-    class Offloader:
-        copies = Copies()
-        kept_to_come_back = 0
-
+    offloader = Offloader()
     handle = Handle()
-    handle.on_cuda, handle.offloaders = True, [Offloader()]
+    handle.on_cuda, handle.offloaders = True, [offloader]
     handle.step_footprint = lambda: GIB
     monkeypatch.setattr(finalize_prefetch.pacing, "allocated_bytes", lambda: 3 * GIB)
     handle.scheduler.start_step()
@@ -67,7 +75,7 @@ def test_what_did_not_come_back_starts_back_as_the_step_begins_within_its_room(m
     handle.scheduler.decide([[GIB, GIB]])
     finalize_prefetch.bring_back_for_step(handle)
     assert handle.prefetched == [handle.scheduler.backward_room(4 * GIB)] and handle.prefetched[0] > 0
-    assert Offloader.copies.flushed == [PREFETCH] and OFFLOAD not in Offloader.copies.flushed
+    assert offloader.copies.flushed == [PREFETCH] and OFFLOAD not in offloader.copies.flushed
 
 
 def test_the_step_after_the_decision_leaves_room_for_the_kept_state_it_brings_back(monkeypatch) -> None:
@@ -76,22 +84,15 @@ def test_the_step_after_the_decision_leaves_room_for_the_kept_state_it_brings_ba
     memory where the early copies took that room)."""
     from megatron_offload.megatron import finalize_prefetch
 
-    class Offloader:
-        class copies:  # noqa: N801
-            @staticmethod
-            def flush(direction: str | None = None) -> None:
-                pass
-
-        kept_to_come_back = 2 * GIB
-
+    offloader = Offloader(kept_to_come_back=2 * GIB)
     handle = Handle()
-    handle.on_cuda, handle.offloaders = True, [Offloader()]
+    handle.on_cuda, handle.offloaders = True, [offloader]
     monkeypatch.setattr(finalize_prefetch.pacing, "allocated_bytes", lambda: 3 * GIB)
     handle.scheduler.start_step()
     handle.scheduler.observe_step_end(Peaks(4 * GIB, 4 * GIB), resident=0)
     handle.scheduler.decide([[GIB, GIB]])
     finalize_prefetch.bring_back_for_step(handle)
     assert handle.prefetched == [handle.scheduler.backward_room(5 * GIB)]
-    Offloader.kept_to_come_back = 8 * GIB  # more than the limit leaves: nothing comes back early
+    offloader.kept_to_come_back = 8 * GIB  # more than the limit leaves: nothing comes back early
     finalize_prefetch.bring_back_for_step(handle)
     assert handle.prefetched[-1] == 0
