@@ -8,6 +8,8 @@ micro-batch 1, ``--seq-length`` = ``--max-position-embeddings`` = ``--seq``):
 - ``today, cap C``: weights and state streamed with the local spec and the full logits (what fitted
   before), under the same cap: expected to run out of memory;
 - ``no offload``: the same spec, loss and recompute as ``new``, uncapped (needs a GPU large enough);
+- with ``--attention local``, ``new`` and ``no offload`` keep megatron-core's local spec (its unfused attention)
+  instead of the SDPA spec, both rows alike: the comparison where a model is trained with that spec;
 - ``--longest``: each power-of-two sequence from ``--longest MIN MAX``, three iterations, with today's and
   the new flags under the cap: the longest that trains.
 Each JSON row keeps ``argv``, ``returncode``, ``parameters``, time, peak reserved memory, the losses and
@@ -15,7 +17,7 @@ its ratio to ``no offload``; with ``--link``, each weight-streaming row also its
 step's floor over the host link measured first (``link_speed.py``).
 
     python -m benchmarks.long_context --megatron-lm PATH --config configs/gpt_4b.yaml --seq 65536 --cap 24 \\
-        [--rows new today base] [--train-iters 6] [--longest 16384 131072] [--link] [--out DIR]
+        [--rows new today base] [--train-iters 6] [--attention sdpa|local] [--longest 16384 131072] [--link] [--out DIR]
 """
 
 from __future__ import annotations
@@ -31,9 +33,18 @@ from benchmarks.link_speed import measured, with_step_floors
 from benchmarks.weight_streaming import WEIGHTS, client, ratios, row
 
 SDPA = ["--spec", "megatron_offload.megatron.sdpa_spec", "gpt_layer_spec"]
-NEW = [*SDPA, "--chunked-loss", "--offload-layer-inputs", *WEIGHTS]
+LONG = ["--chunked-loss", "--offload-layer-inputs", *WEIGHTS]
 TODAY = WEIGHTS
-BASE = [*SDPA, "--chunked-loss"]
+
+
+def flag_sets(attention: str) -> tuple[list[str], list[str]]:
+    """The ``new`` and ``no offload`` rows' flags: the same attention in both (``sdpa`` or megatron-core's
+    ``local`` spec, which the config's ``transformer-impl: local`` gives without ``--spec``)."""
+    spec = SDPA if attention == "sdpa" else []
+    return [*spec, *LONG], [*spec, "--chunked-loss"]
+
+
+NEW, BASE = flag_sets("sdpa")
 
 
 def sequence(seq: int) -> list[str]:
@@ -53,6 +64,10 @@ def main() -> int:
     parser.add_argument("--train-iters", type=int, default=6)
     parser.add_argument("--global-batch-size", type=int, default=1, help="micro-batches per iteration")
     parser.add_argument("--extra", default="", help="more Megatron flags for every row, as one string")
+    parser.add_argument(
+        "--attention", choices=["sdpa", "local"], default="sdpa",
+        help="the attention of the new and no-offload rows alike: the SDPA spec, or megatron-core's local spec",
+    )  # fmt: skip
     parser.add_argument(
         "--deterministic",
         action="store_true",
@@ -81,10 +96,11 @@ def main() -> int:
     link = measured() if args.link else None  # before the rows: the GPU is free
     results: dict[str, Any] = {}
     tail = [*sequence(args.seq), *batch, "--train-iters", str(args.train_iters)]
+    new, no_offload = flag_sets(args.attention)
     rows = {
-        "new": (f"new, cap {args.cap:g} GiB", [*NEW, *capped]),
+        "new": (f"new, cap {args.cap:g} GiB", [*new, *capped]),
         "today": (f"today, cap {args.cap:g} GiB", [*TODAY, *capped]),
-        "base": ("no offload", BASE),
+        "base": ("no offload", no_offload),
     }
     for key in args.rows:
         name, flags = rows[key]
@@ -92,7 +108,7 @@ def main() -> int:
     ratios(results, "no offload")
     if args.longest:
         low, high = args.longest
-        for label, flags in (("today", TODAY), ("new", NEW)):
+        for label, flags in (("today", TODAY), ("new", new)):
             if label not in args.longest_flags:
                 continue
             seq = low
