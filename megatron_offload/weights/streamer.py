@@ -228,7 +228,7 @@ class WeightStreamer:
             self.norms.take(unit.index, slot.buffer)  # before the mark below: the copy out waits for the norms
         # After a compute mark: every gradient of the unit has been accumulated into the slot.
         _, end = self.streams.copy(OFFLOAD, unit.grad_pairs(slot.buffer, to_host=True), self.streams.mark())
-        slot.free_after = self.last_out = end
+        self.last_out = self.grads.copied_out(slot, end)  # the resident's slot is ordered by the ring's count too
         slot.in_use = False
         if not unit.resident:
             slot.unit, unit.grads_in = None, None
