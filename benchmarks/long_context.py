@@ -44,9 +44,6 @@ def flag_sets(attention: str) -> tuple[list[str], list[str]]:
     return [*spec, *LONG], [*spec, "--chunked-loss"]
 
 
-NEW, BASE = flag_sets("sdpa")
-
-
 def sequence(seq: int) -> list[str]:
     return [
         "--seq-length", str(seq), "--max-position-embeddings", str(seq), "--position-embedding-type", "rope",
