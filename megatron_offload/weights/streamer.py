@@ -228,7 +228,7 @@ class WeightStreamer:
             self.norms.take(unit.index, slot.buffer)  # before the mark below: the copy out waits for the norms
         # After a compute mark: every gradient of the unit has been accumulated into the slot.
         _, end = self.streams.copy(OFFLOAD, unit.grad_pairs(slot.buffer, to_host=True), self.streams.mark())
-        self.last_out = self.grads.copied_out(slot, end)  # the resident's slot is ordered by the ring's count too
+        self.last_out = self.grads.copied_out(slot, end)  # the resident slot too: one count, one stream of copies out
         slot.in_use = False
         if not unit.resident:
             slot.unit, unit.grads_in = None, None

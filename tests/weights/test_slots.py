@@ -1,6 +1,7 @@
 """Which slot a layer gets: an empty one before one whose layer is still needed, and of the empty ones the one
 whose copy to host was queued first, so that a layer's backward never waits for the copy out of the layer
-just before it while an older slot is free. Without a GPU: the copies and events are the host's."""
+just before it while an older slot is free. Without a GPU: the copies are the host's; an unopened ``Gate`` is a
+copy out still under way."""
 
 from __future__ import annotations
 
@@ -8,17 +9,8 @@ import torch
 
 from megatron_offload.core.streams import HostStreams
 from megatron_offload.weights.slots import SlotRing
+from tests.gates import Gate
 from tests.weights.test_streamer import LAYERS, Model, batches, streamed
-
-
-class Pending:
-    """An event whose copy has not landed: a slot it frees may not be written yet."""
-
-    def query(self) -> bool:
-        return False
-
-    def synchronize(self) -> None:
-        return None
 
 
 def ring(count: int = 3) -> SlotRing:
@@ -29,7 +21,7 @@ def test_of_the_empty_slots_the_one_emptied_first_is_picked() -> None:
     slots = ring()
     order = [slots.slots[2], slots.slots[0], slots.slots[1]]
     for slot in order:
-        slots.copied_out(slot, Pending())
+        slots.copied_out(slot, Gate())
     assert slots.pick(lambda unit: 0, needed_in=0) is order[0]
     order[0].in_use = True
     assert slots.pick(lambda unit: 0, needed_in=0) is order[1]
@@ -38,7 +30,7 @@ def test_of_the_empty_slots_the_one_emptied_first_is_picked() -> None:
 
 def test_a_slot_never_emptied_comes_before_one_with_a_copy_out() -> None:
     slots = ring(2)
-    slots.copied_out(slots.slots[0], Pending())
+    slots.copied_out(slots.slots[0], Gate())
     assert slots.pick(lambda unit: 0, needed_in=0) is slots.slots[1]
 
 
