@@ -1,10 +1,11 @@
 """The optimizer step, chunk by chunk, streaming what is not back yet through a few GPU buffers.
 
-Chunks already on the GPU are updated first, in groups, while the first streamed chunks come in; their
-copies out start within the step (``ShareOut``: between the streamed chunks', all at once when nothing
-streams), but for the bytes left to the loop's next points. The others stream through ``STAGING_CHUNKS``
-buffers as large as the largest of them, one after another as through a ring (``staging_ring``): copies in
-ahead, one chunk updated, copies out behind, at once, every order kept on the device, so the host never waits.
+Chunks already on the GPU are updated first, in groups (those that leave before those kept), while the first
+streamed chunks come in; their copies out start within the step (``ShareOut``: between the streamed chunks',
+all at once when nothing streams), but for the bytes left to the loop's next points. The others stream through
+``STAGING_CHUNKS`` buffers as large as the largest of them, one after another as through a ring
+(``staging_ring``): copies in ahead, one chunk updated, copies out behind, at once, every order kept on the
+device, so the host never waits.
 NOTE: a streamed chunk's copy out starts within the step (its buffer is needed again).
 NOTE: with a ``stage`` (params whose values and gradients live in device-mapped host memory), each
 group's params and gradients come to the GPU ahead of its update (the stage is told the order first),
@@ -194,11 +195,16 @@ def run(
         return any(added)
 
     group_bytes = off.chunk_bytes if stage is not None else max(READY_GROUP_BYTES, off.chunk_bytes)
-    # Kept chunks on the GPU first: their updates wait for no copy, and run while the others still come in.
-    # (Kept for the whole plan, so the groups, and the stepper's lists made once per group, stay the same.)
+    # First the chunks that leave and are back already (landed during the last backward): their copies out
+    # then run beside the rest of the step rather than after it. Then kept chunks on the GPU: their updates
+    # wait for no copy either, and run while the others still come in. Last, the chunks still on their way.
+    here = [chunk for chunk in ready if chunk.on_gpu and chunk.copy is None and chunk.ready is None]
+    leaving = [chunk for chunk in here if not chunk.kept]
     settled = [chunk for chunk in ready if chunk.kept and chunk.on_gpu and chunk.copy is None]
-    ready = settled + [chunk for chunk in ready if not (chunk.kept and chunk.on_gpu and chunk.copy is None)]
-    ready_groups = [*_groups(settled, group_bytes), *_groups(ready[len(settled) :], group_bytes)]
+    first = {id(chunk) for chunk in leaving + settled}
+    arriving = [chunk for chunk in ready if id(chunk) not in first]
+    ready = leaving + settled + arriving
+    ready_groups = [*_groups(leaving, group_bytes), *_groups(settled, group_bytes), *_groups(arriving, group_bytes)]
     try:
         if stage is not None:  # the update order: the stage brings each group's params in ahead of it
             stage.begin([[p for c in group for p in c.params] for group in [*ready_groups, *([c] for c in streamed)]])
