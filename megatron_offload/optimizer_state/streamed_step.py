@@ -1,11 +1,10 @@
 """The optimizer step, chunk by chunk, streaming what is not back yet through a few GPU buffers.
 
-Chunks already on the GPU are updated first, in groups (those that leave before those kept), while the first
-streamed chunks come in; their copies out start within the step (``ShareOut``: between the streamed chunks',
-all at once when nothing streams), but for the bytes left to the loop's next points. The others stream through
-``STAGING_CHUNKS`` buffers as large as the largest of them, one after another as through a ring
-(``staging_ring``): copies in ahead, one chunk updated, copies out behind, at once, every order kept on the
-device, so the host never waits.
+Chunks on the GPU are updated first, in groups (those that leave before those kept), while the first streamed
+chunks come in; their copies out start within the step (``ShareOut``: between the streamed chunks', all at once
+when nothing streams), but for the bytes left to the loop's next points. The others stream through ``STAGING_CHUNKS``
+buffers as large as the largest of them, one after another as through a ring (``staging_ring``): copies in ahead,
+one chunk updated, copies out behind, at once, every order kept on the device, so the host never waits.
 NOTE: a streamed chunk's copy out starts within the step (its buffer is needed again).
 NOTE: with a ``stage`` (params whose values and gradients live in device-mapped host memory), each
 group's params and gradients come to the GPU ahead of its update (the stage is told the order first),
@@ -195,11 +194,9 @@ def run(
         return any(added)
 
     group_bytes = off.chunk_bytes if stage is not None else max(READY_GROUP_BYTES, off.chunk_bytes)
-    # First the chunks that leave and are back already (landed during the last backward): their copies out
-    # then run beside the rest of the step rather than after it. Then kept chunks on the GPU: their updates
-    # wait for no copy either, and run while the others still come in. Last, the chunks still on their way.
-    here = [chunk for chunk in ready if chunk.on_gpu and chunk.copy is None and chunk.ready is None]
-    leaving = [chunk for chunk in here if not chunk.kept]
+    # First the chunks that leave and landed back (their copies out then run beside the rest of the step), then
+    # the kept ones (no copy to wait for either, while the others still come in), last those still on their way.
+    leaving = [c for c in ready if not c.kept and c.on_gpu and c.copy is None and c.ready is None]
     settled = [chunk for chunk in ready if chunk.kept and chunk.on_gpu and chunk.copy is None]
     first = {id(chunk) for chunk in leaving + settled}
     arriving = [chunk for chunk in ready if id(chunk) not in first]
