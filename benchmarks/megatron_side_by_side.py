@@ -134,9 +134,10 @@ def nothing_can_run(args: argparse.Namespace) -> str | None:
 def sweep(args: argparse.Namespace, results: dict[str, Any], clients: dict[str, list[str]], env: dict) -> int:
     """The memory-speed curve (memory_speed_curve.py): curve.json and curve.png under --out; status 1 when
     one of our offload rows did not run or its losses differ from no offload's."""
-    estimate = curve.estimate_s(len(args.caps), (args.global_batch or 8) // 2, "upstream" in clients)
-    runs = 1 + len(curve.OURS) * len(args.caps) + ("upstream" in clients)
-    print(f"sweep: caps {args.caps}, about {estimate / 60:.1f} min ({runs} runs)", flush=True)
+    estimate = curve.estimate_s(len(args.caps), (args.global_batch or 8) // 2, "upstream" in clients, args.rounds)
+    runs = args.rounds * (1 + len(curve.OURS) * len(args.caps)) + ("upstream" in clients)
+    rounds = f", {args.rounds} rounds" if args.rounds > 1 else ""
+    print(f"sweep: caps {args.caps}{rounds}, about {estimate / 60:.1f} min ({runs} runs)", flush=True)
     flags = {"ours": OFFLOAD, "upstream": UPSTREAM_OFFLOAD}
     head = {key: results[key] for key in ("config", "client", "commit", "gpus", "upstream") if key in results}
     result = memory_speed_sweep.run_sweep(args, clients, env, job.run, flags, head)

@@ -86,38 +86,55 @@ def median_ms(figures: dict[str, Any], window: Window = AT_INTERVAL_1) -> float 
     return statistics.median(counted) if counted else None
 
 
-def estimate_s(n_caps: int, micro_batches: int, upstream: bool) -> float:
-    """Expected wall time of a sweep: one no-offload run, each of ours once per cap, upstream once."""
+def estimate_s(n_caps: int, micro_batches: int, upstream: bool, rounds: int = 1) -> float:
+    """Expected wall time of a sweep: per round one no-offload run and each of ours once per cap; upstream once."""
     iteration = MICRO_BATCH_S * micro_batches + STEP_S
     one = {kind: start + 2 + SWEEP_ITERS * iteration for kind, start in STARTUP_S.items()}
     offload = SWEEP_ITERS * OFFLOAD_EXTRA_S
     ours = len(OURS) * n_caps * (one["ours"] + offload)
-    return one["no offload"] + ours + (one["upstream"] + offload) * upstream
+    return rounds * (one["no offload"] + ours) + (one["upstream"] + offload) * upstream
 
 
 def cell(figures: dict[str, Any], base: dict[str, Any] | None, window: Window = AT_INTERVAL_1) -> dict[str, Any]:
     """A row's figures under one cap: ms/iter, its ratio to no offload, peaks, losses, or why it did not run."""
-    if "error" in figures:
-        outcome = "did not fit" if figures.get("did_not_fit") else "failed"
-        return {"outcome": outcome, "reason": figures["error"]}
-    counted = in_window(figures, "step_ms_by_iteration", window)
+    return pooled_cell([figures], base, window)
+
+
+def pooled_cell(
+    runs: list[dict[str, Any]], base: dict[str, Any] | None, window: Window = AT_INTERVAL_1
+) -> dict[str, Any]:
+    """One row from its runs in every round (``--rounds``): the median of all their timed iterations and
+    each round's own, the highest peaks, every retry, whether each run's losses equal no offload's; the
+    first round's other figures. A run that did not run makes the row's outcome."""
+    failed = next((figures for figures in runs if "error" in figures), None)
+    if failed is not None:
+        outcome = "did not fit" if failed.get("did_not_fit") else "failed"
+        return {"outcome": outcome, "reason": failed["error"]}
+    per_run = [in_window(figures, "step_ms_by_iteration", window) for figures in runs]
+    counted = [ms for values in per_run for ms in values]
     ms = statistics.median(counted) if counted else None
     row: dict[str, Any] = {"outcome": "ran", "ms_per_iter": ms}
+    if len(runs) > 1:  # how far the rounds' own medians lie apart: the machine's drift over the call
+        row["ms_per_round"] = [statistics.median(values) if values else None for values in per_run]
     if len(counted) >= 4:  # how far single lines spread around the median: the quartiles
         quartiles = statistics.quantiles(counted, n=4)
         row["ms_quartiles"] = [quartiles[0], quartiles[2]]
-    for key in ("peak_reserved_GiB", "peak_allocated_GiB", "offloaded_GiB", "link_GBps", "wall_s", "phases_ms"):
-        if figures.get(key) is not None:
-            row[key] = figures[key]
-    retries = in_window(figures, "allocator_retries_by_iteration", window)
+    for key in ("offloaded_GiB", "link_GBps", "wall_s", "phases_ms"):
+        if runs[0].get(key) is not None:
+            row[key] = runs[0][key]
+    for key in ("peak_reserved_GiB", "peak_allocated_GiB"):
+        peaks = [figures[key] for figures in runs if figures.get(key) is not None]
+        if peaks:
+            row[key] = max(peaks)
+    retries = [n for figures in runs for n in in_window(figures, "allocator_retries_by_iteration", window)]
     if retries:  # the caching allocator ran short under the cap in the timed iterations: each a stall
         row["allocator_retries"] = sum(retries)
-    streamed = in_window(figures, "streamed_GiB_by_iteration", window)
+    streamed = [g for figures in runs for g in in_window(figures, "streamed_GiB_by_iteration", window)]
     if streamed:  # the state that came back through the step rather than during the last backward
         row["streamed_in_step_GiB"] = statistics.median(streamed)
     if base and ms is not None and base.get("ms_per_iter"):
         row["x_no_offload"] = ms / base["ms_per_iter"]
-        row["losses_equal"] = figures.get("losses") == base.get("losses")
+        row["losses_equal"] = all(figures.get("losses") == base.get("losses") for figures in runs)
     return row
 
 
@@ -174,12 +191,19 @@ def plot(result: dict[str, Any], path: Any) -> str:
     return path.name
 
 
+def rounds_text(row: dict[str, Any]) -> str:
+    """Each round's own median, where the sweep ran several: `` (rounds 612, 640)``; else nothing."""
+    medians = row.get("ms_per_round")
+    return f" (rounds {', '.join(f'{ms:.0f}' for ms in medians if ms is not None)})" if medians else ""
+
+
 def table(result: dict[str, Any]) -> str:
     """The curve as text: per cap, each row's ms/iter and ratio (or why not), and the floor."""
     lines = [f"memory-speed curve, global batch {result.get('global_batch') or 'of the config'} "
              f"({result.get('micro_batches')} micro-batches), --log-interval {result.get('log_interval', 1)}, "
              f"state {result['state']['GiB']:.2f} GiB, "
-             f"no offload {result['no_offload']['ms_per_iter']:.1f} ms/iter, link {result['link']['GBps']:.1f} GB/s "
+             f"no offload {result['no_offload']['ms_per_iter']:.1f} ms/iter{rounds_text(result['no_offload'])}, "
+             f"link {result['link']['GBps']:.1f} GB/s "
              f"({result['link']['source']})"]  # fmt: skip
     for plan in result["caps"]:
         lines.append(f"cap {plan['percent']}% ({plan['cap_GiB']:.2f} GiB, saves {plan['saved_GiB']:.2f} GiB): "
@@ -191,7 +215,7 @@ def table(result: dict[str, Any]) -> str:
             equal = {True: "losses equal", False: "losses DIFFER", None: ""}[row.get("losses_equal")]
             spread = row.get("ms_quartiles")
             lines.append(f"  {name:26} {row['ms_per_iter']:8.1f} ms  x{row.get('x_no_offload', 0):.3f}  "
-                         + (f"(quartiles {spread[0]:.0f}-{spread[1]:.0f})  " if spread else "")
+                         + (f"(quartiles {spread[0]:.0f}-{spread[1]:.0f}){rounds_text(row)}  " if spread else "")
                          + f"peak reserved {row.get('peak_reserved_GiB', 0):.2f} GiB  {equal}"
                          + (f"  allocator retries {row['allocator_retries']}" if row.get("allocator_retries") else "")
                          + (f"  streamed in step {row['streamed_in_step_GiB']:.2f} GiB"

@@ -24,6 +24,7 @@ from benchmarks.memory_speed_curve import (
     iterations_for,
     median_ms,
     plot,
+    pooled_cell,
 )
 
 
@@ -35,8 +36,10 @@ def run_sweep(
     flags: dict[str, list[str]],
     head: dict[str, Any],
 ) -> dict[str, Any]:
-    """The sweep: uncapped no offload (and upstream), then ours under each cap; JSON and plot after each
-    run. ``run`` is the harness's job runner; ``flags`` its "ours" and "upstream" offload flags."""
+    """The sweep: uncapped no offload (and upstream), then ours under each cap; with ``--rounds N``, no offload
+    and ours under each cap N - 1 times more, in turn, each row's iterations pooled over its rounds (the
+    machine's pace drifts over a call: every row then spans the same stretch of it). JSON and plot after each
+    cap and each round. ``run`` is the harness's job runner; ``flags`` its "ours" and "upstream" offload flags."""
     interval = args.log_intervals[0]
     iters, window = iterations_for(interval)
     tail = ["--train-iters", str(iters), "--log-interval", str(interval), "--log-memory-interval", str(iters)]
@@ -58,7 +61,6 @@ def run_sweep(
     if "error" in base_run or median_ms(base_run, window) is None or "peak_reserved_GiB" not in base_run:
         result["error"] = f"the uncapped no-offload run gave no figures: {base_run.get('error', 'no peak')}"
         return result
-    base = {"ms_per_iter": median_ms(base_run, window), "losses": base_run["losses"]}
     megatron = base_run.get("megatron_args", {})
     dp = int(megatron.get("data_parallel_size", 1) or 1)
     mbs, gbs = int(megatron.get("micro_batch_size", 2)), int(megatron.get("global_batch_size", args.global_batch or 8))
@@ -66,14 +68,14 @@ def run_sweep(
     state_gib = args.state_gib or 12 * base_run.get("parameters", 0) / dp / GIB
     result |= {
         "micro_batches": micro_batches,
+        "rounds": args.rounds,
         "state": {
             "GiB": state_gib,
             "source": "--state-gib"
             if args.state_gib
             else "12 bytes x Megatron's parameter count (no-offload run) / data-parallel size",
         },  # fmt: skip
-        "no_offload": cell(base_run, base, window) | {"losses_equal": True, "x_no_offload": 1.0},
-        "estimate_s": estimate_s(len(args.caps), micro_batches, "upstream" in clients),
+        "estimate_s": estimate_s(len(args.caps), micro_batches, "upstream" in clients, args.rounds),
     }
     if not state_gib:
         result["error"] = "no parameter count in the no-offload run's log: give --state-gib"
@@ -83,28 +85,52 @@ def run_sweep(
         upstream_run = go("upstream", [*clients["upstream"], *tail, *flags["upstream"]], env)
     link = base_run.get("link_GBps") or (upstream_run or {}).get("link_GBps")
     copied: list[float] = []  # the link each of our capped runs' copies out measured, GB/s
-    forward_ms = args.first_forward_ms or base["ms_per_iter"] / micro_batches / 3
-    for plan in cap_plan(base_run["peak_reserved_GiB"], state_gib, args.caps):
-        cap = plan["cap_GiB"]
-        capped = ["--offload-gpu-memory-cap-gib", f"{cap:.3f}"]
-        rows: dict[str, Any] = {}
+    runs: dict[str, list[dict[str, Any]]] = {NO_OFFLOAD: [base_run]}  # each row's runs, round after round
+    capped_no_offload: dict[int, dict[str, Any]] = {}  # the caps where no offload ran (first round only)
+
+    def ours(plan: dict[str, float], suffix: str = "") -> None:
+        capped = ["--offload-gpu-memory-cap-gib", f"{plan['cap_GiB']:.3f}"]
         for name, extra in OURS.items():
             argv = [*clients["ours"], *tail, *flags["ours"], *extra, *capped]
-            figures = go(f"cap{plan['percent']}-{name.split()[0]}", argv)
-            rows[name] = cell(figures, base, window)
-            link = link or figures.get("link_GBps")
+            figures = go(f"cap{plan['percent']}-{name.split()[0]}{suffix}", argv)
+            runs.setdefault(f"{plan['percent']}:{name}", []).append(figures)
             copied.extend(copy_out_gbps(figures))
-        if upstream_run is not None:
-            rows[UPSTREAM_ROW] = cap_blind(upstream_run, cap, cell(upstream_run, base, window)) or {
-                "outcome": "not run", "reason": "its uncapped peaks straddle the cap; our cap flag cannot reach "
-                "upstream's script"}  # fmt: skip
-        derived = None if args.run_every_cell else cap_blind(base_run, cap, result["no_offload"])
-        if derived is None:
-            derived = cell(go(f"cap{plan['percent']}-no-offload", [*clients["ours"], *tail, *capped]), base, window)
-        rows[NO_OFFLOAD] = derived
-        result["caps"].append(plan | {"rows": rows})
+
+    def tabulate(plans: list[dict[str, float]]) -> None:
+        """Every row so far against no offload's runs so far, the floor, then the JSON and the plot."""
+        pooled = pooled_cell(runs[NO_OFFLOAD], None, window)["ms_per_iter"]
+        base = {"ms_per_iter": pooled, "losses": base_run["losses"]}
+        result["no_offload"] = pooled_cell(runs[NO_OFFLOAD], base, window) | {"x_no_offload": 1.0}
+        result["caps"] = []
+        for plan in plans:
+            cap = plan["cap_GiB"]
+            rows = {name: pooled_cell(runs[f"{plan['percent']}:{name}"], base, window) for name in OURS}
+            if upstream_run is not None:
+                rows[UPSTREAM_ROW] = cap_blind(upstream_run, cap, cell(upstream_run, base, window)) or {
+                    "outcome": "not run", "reason": "its uncapped peaks straddle the cap; our cap flag cannot "
+                    "reach upstream's script"}  # fmt: skip
+            ran = capped_no_offload.get(plan["percent"])
+            if ran is None:  # its uncapped run tells
+                rows[NO_OFFLOAD] = cap_blind(base_run, cap, result["no_offload"])
+            else:
+                rows[NO_OFFLOAD] = cell(ran, base, window)
+            result["caps"].append(plan | {"rows": rows})
         result["caps"].sort(key=lambda c: c["percent"])
-        finish(result, link, forward_ms, args, copied)
+        logged = link or next((f["link_GBps"] for rows in runs.values() for f in rows if f.get("link_GBps")), None)
+        finish(result, logged, args.first_forward_ms or pooled / micro_batches / 3, args, copied)
+
+    plans = cap_plan(base_run["peak_reserved_GiB"], state_gib, args.caps)
+    for index, plan in enumerate(plans):
+        ours(plan)
+        if args.run_every_cell or cap_blind(base_run, plan["cap_GiB"], {}) is None:
+            argv = [*clients["ours"], *tail, "--offload-gpu-memory-cap-gib", f"{plan['cap_GiB']:.3f}"]
+            capped_no_offload[plan["percent"]] = go(f"cap{plan['percent']}-no-offload", argv)
+        tabulate(plans[: index + 1])
+    for round_ in range(2, args.rounds + 1):  # the same runs again, in the same order, no offload first
+        runs[NO_OFFLOAD].append(go(f"no-offload-round{round_}", [*clients["ours"], *tail]))
+        for plan in plans:
+            ours(plan, f"-round{round_}")
+        tabulate(plans)
     return result
 
 

@@ -131,6 +131,38 @@ def test_without_a_logged_link_the_floor_takes_the_one_our_copies_out_measured(
     assert tight["floor_x"] == pytest.approx(1 + (0.9 * STATE_GIB * GIB / (5 * GIB / 0.1) * 1e3 - forward) / 600.0)
 
 
+def test_rounds_run_every_row_again_in_turn_and_pool_its_iterations(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    def run(name: str, argv: list[str], gpus: int, out: Path, env_extra: dict | None = None) -> dict:
+        figures = sweep_run()(name, argv, gpus, out, env_extra)
+        if name.endswith("-round2"):  # the machine ran 60 ms slower in the second round, every row alike
+            times = figures["step_ms_by_iteration"]
+            figures["step_ms_by_iteration"] = {i: ms + 60.0 for i, ms in times.items()}
+        return figures
+
+    code, calls = run_sweep(monkeypatch, ["--out", str(tmp_path), "--caps", "90", "50", "--rounds", "2"], run)
+    assert code == 0
+    assert [name.removeprefix("sweep-gbcfg-") for name, _ in calls] == [
+        "no-offload", "cap90-default", "cap50-default", "no-offload-round2", "cap90-default-round2",
+        "cap50-default-round2"]  # fmt: skip
+    result = json.loads((tmp_path / "curve.json").read_text())
+    assert result["rounds"] == 2
+    assert result["no_offload"]["ms_per_iter"] == 630.0 and result["no_offload"]["ms_per_round"] == [600.0, 660.0]
+    ours = result["caps"][1]["rows"]["default"]
+    assert ours["ms_per_iter"] == 730.0 and ours["ms_per_round"] == [700.0, 760.0]
+    assert ours["x_no_offload"] == pytest.approx(730 / 630) and ours["losses_equal"]
+    forward = 630.0 / 4 / 3  # the floor counts on the pooled no-offload iteration
+    floor = 1 + (0.9 * STATE_GIB * GIB / 52e9 * 1e3 - forward) / 630.0
+    assert result["caps"][1]["floor_x"] == pytest.approx(floor)
+    assert "(rounds 700, 760)" in (tmp_path / "curve.txt").read_text()
+
+
+def test_rounds_must_be_one_or_more(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        run_sweep(monkeypatch, ["--out", str(tmp_path), "--rounds", "0"], sweep_run())
+
+
 def test_the_sweep_plots_its_curve(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="the plot needs matplotlib (the test and nightly extras install it)")
     code, _ = run_sweep(monkeypatch, ["--out", str(tmp_path), "--caps", "90", "50"], sweep_run())
