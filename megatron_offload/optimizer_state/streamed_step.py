@@ -200,7 +200,6 @@ def run(
     settled = [chunk for chunk in ready if chunk.kept and chunk.on_gpu and chunk.copy is None]
     first = {id(chunk) for chunk in leaving + settled}
     arriving = [chunk for chunk in ready if id(chunk) not in first]
-    ready = leaving + settled + arriving
     ready_groups = [*_groups(leaving, group_bytes), *_groups(settled, group_bytes), *_groups(arriving, group_bytes)]
     try:
         if stage is not None:  # the update order: the stage brings each group's params in ahead of it
