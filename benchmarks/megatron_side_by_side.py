@@ -18,6 +18,9 @@ first on ``PYTHONPATH`` so that its megatron.core shadows the installed one; sam
 offload and ``--chunked-optimizer-state-offload``. Their ratios and losses are to upstream's own
 no-offload row.
 
+``--rounds N`` runs every row of the matrix that ran N times, in turn (the machine's pace drifts over a call):
+each row's ms/iter is the median of its counted iterations from all rounds, each round's own beside it.
+
 ``--profile [NAME ...]`` adds a separate, profiled run of each named row (default: no offload, full
 offload, prefetch step and, with upstream, its two rows) at the first log interval, under Megatron's
 ``--profile --use-pytorch-profiler``, and compares each offload trace with its no-offload trace
@@ -40,7 +43,7 @@ and plot are written as it ends, so a call cut off still leaves the caps done. W
 CUDA GPU, no Megatron-LM script at ``--megatron-lm``, no megatron.training) it stops at once, one line.
 
     python -m benchmarks.megatron_side_by_side --megatron-lm PATH [--upstream-megatron-lm PATH]
-        [--log-intervals 1 5] [--only NAME ...] [--profile [NAME ...]] [--profile-only]
+        [--log-intervals 1 5] [--only NAME ...] [--rounds N] [--profile [NAME ...]] [--profile-only]
     python -m benchmarks.megatron_side_by_side --megatron-lm PATH --sweep --global-batch 8 --caps 90 50 0
 """
 
@@ -57,6 +60,7 @@ from benchmarks import memory_speed_curve as curve
 from benchmarks import memory_speed_sweep
 from benchmarks.side_by_side_args import parse_args
 from benchmarks.side_by_side_profile import run_profiled
+from benchmarks.side_by_side_rounds import pool, round_name
 from benchmarks.side_by_side_rows import (
     MATRIX,
     MEANT_TO_FAIL,
@@ -75,12 +79,15 @@ from megatron_offload.core.units import cap_below_peak
 
 
 def run_matrix(args: argparse.Namespace, results: dict[str, Any], clients: dict[str, list[str]], env: dict) -> None:
-    """The matrix at every log interval, our rows then upstream's, each compared with its own base."""
+    """The matrix at every log interval, our rows then upstream's, each compared with its own base; with
+    ``--rounds N``, every row that ran in the first round runs N - 1 times more, in the same order, and each
+    row's rounds are pooled (side_by_side_rounds.py). A row that failed in the first round is not run again."""
     upstream_rows = selected_upstream_rows(set(args.only or ()), "upstream" in clients)
     for interval in args.log_intervals:
         tail = ["--train-iters", str(args.train_iters), *args.extra, "--log-interval", str(interval)]
         argv = [*clients["ours"], *tail]
         runs: dict[str, Any] = {}
+        ran: dict[str, tuple[str, list[str], dict | None, dict]] = {}  # row: (run name, argv, env, figures added)
         for name, flags, cap_share in MATRIX:
             if args.only and name not in args.only and not (name == "no offload" and not args.caps_from):
                 continue
@@ -97,11 +104,19 @@ def run_matrix(args: argparse.Namespace, results: dict[str, Any], clients: dict[
                 cap = cap_below_peak(base["peak_allocated_GiB"], state, cap_share)
                 results[f"cap {cap_share:.0%} GiB"] = cap
                 full += ["--offload-gpu-memory-cap-gib", f"{cap:.3f}"]
-            figures = job.run(f"log{interval}-{slug(name)}", full, args.gpus, args.out)
-            runs[name] = figures | ({"cap_GiB": cap} if cap_share is not None else {})
+            added = {"cap_GiB": cap} if cap_share is not None else {}
+            ran[name] = (f"log{interval}-{slug(name)}", full, None, added)
+            runs[name] = job.run(ran[name][0], full, args.gpus, args.out) | added
         for name, flags in upstream_rows:
-            upstream_argv = [*clients["upstream"], *tail, *flags]
-            runs[name] = job.run(f"log{interval}-{slug(name)}", upstream_argv, args.gpus, args.out, env)
+            ran[name] = (f"log{interval}-{slug(name)}", [*clients["upstream"], *tail, *flags], env, {})
+            runs[name] = job.run(ran[name][0], ran[name][1], args.gpus, args.out, env)
+        rounds = {name: [figures] for name, figures in runs.items() if name in ran and "error" not in figures}
+        for round_ in range(2, args.rounds + 1):  # the same runs again, in the same order
+            for name in rounds:
+                run_name, run_argv, run_env, added = ran[name]
+                again = job.run(round_name(run_name, round_), run_argv, args.gpus, args.out, run_env)
+                rounds[name].append(again | added)
+        runs |= {name: pool(figures) for name, figures in rounds.items()}
         if "no offload" in runs:
             compare(runs, "no offload", [name for name, _, _ in MATRIX])
         if UPSTREAM_BASE in runs:

@@ -33,6 +33,14 @@ def parse_args(description: str) -> argparse.Namespace:
     )
     parser.add_argument("--train-iters", type=int, default=15)
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run each row N times, in turn, and pool each row's iterations (the machine's pace drifts over a "
+        "call): every row of the matrix that ran; with --sweep, no offload and ours under each cap (default 1)",
+    )
+    parser.add_argument(
         "--caps-from",
         nargs=2,
         type=float,
@@ -79,14 +87,6 @@ def parse_args(description: str) -> argparse.Namespace:
         "(default: a third of a micro-batch's share of the no-offload iteration)",
     )
     curves.add_argument("--state-gib", type=float, help="the state per rank (default: 12 bytes a parameter)")
-    curves.add_argument(
-        "--rounds",
-        type=int,
-        default=1,
-        metavar="N",
-        help="run no offload and ours under each cap N times, in turn, and pool each row's iterations "
-        "(the machine's pace drifts over a call; default 1)",
-    )
     curves.add_argument("--run-every-cell", action="store_true",
                        help="run no offload under every cap, also where its uncapped run tells")  # fmt: skip
     parser.add_argument("--out", type=Path, default=ROOT / "side-by-side")
@@ -95,7 +95,7 @@ def parse_args(description: str) -> argparse.Namespace:
     if args.profile_only and args.profile is None:
         parser.error("--profile-only needs --profile")
     if args.rounds < 1:
-        parser.error(f"--rounds {args.rounds}: give 1 or more (each round runs no offload and ours under every cap)")
+        parser.error(f"--rounds {args.rounds}: give 1 or more (each round runs every row once more)")
     if args.phases and not args.megatron_lm:
         parser.error("--phases marks Megatron-LM's own loop: give --megatron-lm PATH")
     return args

@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import megatron_job as job
 from benchmarks import megatron_side_by_side as side
 from benchmarks import side_by_side_profile as profile
 from benchmarks import side_by_side_rows as rows
 from benchmarks import side_by_side_upstream as side_upstream
-from tests.chrome_traces import busy_kernels, memcpy, step, write
+from tests.side_by_side_helpers import fake_run, run_main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,42 +28,6 @@ UPSTREAM_ROWS = [name for name, _ in rows.UPSTREAM]
 def runs_can_start(monkeypatch: pytest.MonkeyPatch) -> None:
     """The jobs are stood in for: the harness's check that a job could start (CUDA, megatron.training) passes."""
     monkeypatch.setattr(side, "preflight", lambda argv: None)
-
-
-def fake_run(failing: set[str], step_ms: dict[str, float] | None = None, losses: dict[str, dict] | None = None):
-    """Stand-in for one torchrun job: figures for a run that worked, an error for the named ones. A
-    profiled job leaves a trace where Megatron would (TENSORBOARD_DIR/../torch_profile/rank-0.json.gz):
-    the compute stream busy 80% without offloading, 40% where the copies run with it."""
-
-    def run(name: str, argv: list[str], gpus: int, out: Path, env_extra: dict | None = None) -> dict[str, object]:
-        if name in failing:
-            return {"argv": argv, "returncode": 1, "error": "AssertionError: Megatron requires CUDA."}
-        if "--tensorboard-dir" in argv:
-            folder = Path(argv[argv.index("--tensorboard-dir") + 1]).parent / "torch_profile"
-            offload = "--offload-optimizer-states" in argv or "--chunked-optimizer-state-offload" in argv
-            events = [step(7, 0, 100), *busy_kernels(0, 100, 0.8)]
-            if offload:
-                events = [step(7, 0, 100), *busy_kernels(0, 25, 0.8), *busy_kernels(25, 50, 0.4)]
-                events += [*busy_kernels(50, 100, 0.8), memcpy(25, 25, "d2h")]
-            write(folder / "rank-0.json.gz", events, gz=True)
-        return {"argv": argv, "returncode": 0, "losses": (losses or {}).get(name, {5: 1.0}),
-                "step_ms": (step_ms or {}).get(name, 10.0), "peak_allocated_GiB": 4.0, "offloaded_GiB": 1.0,
-                "exposed_ms": 0.0}  # fmt: skip
-
-    return run
-
-
-def run_main(monkeypatch: pytest.MonkeyPatch, argv: list[str], run) -> tuple[int, list[tuple]]:
-    """main() with ``run`` standing in for torchrun; the calls it made, as (name, argv, env_extra)."""
-    calls: list[tuple] = []
-
-    def recording(name: str, argv: list[str], gpus: int, out: Path, env_extra: dict | None = None) -> dict:
-        calls.append((name, argv, env_extra))
-        return run(name, argv, gpus, out, env_extra)
-
-    monkeypatch.setattr(job, "run", recording)
-    monkeypatch.setattr(sys, "argv", ["megatron_side_by_side.py", *argv])
-    return side.main(), calls
 
 
 @pytest.mark.parametrize(

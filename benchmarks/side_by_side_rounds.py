@@ -1,0 +1,57 @@
+"""The matrix's rows run several times in turn (megatron_side_by_side.py ``--rounds``), pooled into one row each.
+
+The machine's pace drifts over a call by more than a row's cost: run one after another, two rows that do the same
+work can differ by 10%. Run in turn, each row once per round, every row meets the same drift; each row's counted
+iterations (``megatron_job.steady``) from all its rounds make its median, and each round's own median stays beside
+it, to show the drift."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from benchmarks.megatron_job import steady
+
+__all__ = ["pool", "round_name"]
+
+PEAKS = ("peak_allocated_GiB", "peak_reserved_GiB")
+
+
+def round_name(name: str, round_: int) -> str:
+    """A run's name (its log file) in a round: the first round's is the row's own, as without rounds."""
+    head, _, tail = name.partition("-")
+    return name if round_ == 1 else f"{head}-r{round_}-{tail}"
+
+
+def counted(figures: dict[str, Any]) -> list[float]:
+    """A run's iterations that its median counts (its median alone where it logged none by iteration)."""
+    by_iteration = figures.get("step_ms_by_iteration") or {}
+    if not by_iteration:
+        return [figures["step_ms"]]
+    by_number = {int(i): ms for i, ms in by_iteration.items()}  # keys are numbers, or their text from JSON
+    return [by_number[i] for i in steady(sorted(by_number))]
+
+
+def pool(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from its runs, one per round, in order: the first round's figures, with ``step_ms`` the median
+    of every round's counted iterations and ``step_ms_per_round`` each round's own, the highest peaks, and
+    losses only where every round logged the same ones (None otherwise: the row then differs from its base,
+    as a row whose losses change between two runs of the same flags must). A round that failed is the row's
+    outcome."""
+    if len(runs) == 1:
+        return runs[0]
+    failed = next((figures for figures in runs if "error" in figures), None)
+    if failed is not None:
+        return failed | {"rounds": len(runs)}
+    pooled = dict(runs[0])
+    per_round = [counted(figures) for figures in runs]
+    pooled["step_ms"] = statistics.median(ms for values in per_round for ms in values)
+    pooled["step_ms_per_round"] = [statistics.median(values) for values in per_round]
+    for key in PEAKS:
+        peaks = [figures[key] for figures in runs if figures.get(key) is not None]
+        if peaks:
+            pooled[key] = max(peaks)
+    if any(figures.get("losses") != runs[0].get("losses") for figures in runs[1:]):
+        pooled["losses"] = None
+    pooled["rounds"] = len(runs)
+    return pooled
