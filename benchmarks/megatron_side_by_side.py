@@ -87,7 +87,7 @@ def run_matrix(args: argparse.Namespace, results: dict[str, Any], clients: dict[
         tail = ["--train-iters", str(args.train_iters), *args.extra, "--log-interval", str(interval)]
         argv = [*clients["ours"], *tail]
         runs: dict[str, Any] = {}
-        ran: dict[str, tuple[str, list[str], dict | None, dict]] = {}  # row: (run name, argv, env, figures added)
+        ran: dict[str, tuple[list[str], dict | None, dict]] = {}  # row: (argv, env, figures added to its runs)
         for name, flags, cap_share in MATRIX:
             if args.only and name not in args.only and not (name == "no offload" and not args.caps_from):
                 continue
@@ -105,16 +105,16 @@ def run_matrix(args: argparse.Namespace, results: dict[str, Any], clients: dict[
                 results[f"cap {cap_share:.0%} GiB"] = cap
                 full += ["--offload-gpu-memory-cap-gib", f"{cap:.3f}"]
             added = {"cap_GiB": cap} if cap_share is not None else {}
-            ran[name] = (f"log{interval}-{slug(name)}", full, None, added)
-            runs[name] = job.run(ran[name][0], full, args.gpus, args.out) | added
+            ran[name] = (full, None, added)
+            runs[name] = job.run(round_name(interval, slug(name), 1), full, args.gpus, args.out) | added
         for name, flags in upstream_rows:
-            ran[name] = (f"log{interval}-{slug(name)}", [*clients["upstream"], *tail, *flags], env, {})
-            runs[name] = job.run(ran[name][0], ran[name][1], args.gpus, args.out, env)
+            ran[name] = ([*clients["upstream"], *tail, *flags], env, {})
+            runs[name] = job.run(round_name(interval, slug(name), 1), ran[name][0], args.gpus, args.out, env)
         rounds = {name: [figures] for name, figures in runs.items() if name in ran and "error" not in figures}
         for round_ in range(2, args.rounds + 1):  # the same runs again, in the same order
             for name in rounds:
-                run_name, run_argv, run_env, added = ran[name]
-                again = job.run(round_name(run_name, round_), run_argv, args.gpus, args.out, run_env)
+                run_argv, run_env, added = ran[name]
+                again = job.run(round_name(interval, slug(name), round_), run_argv, args.gpus, args.out, run_env)
                 rounds[name].append(again | added)
         runs |= {name: pool(figures) for name, figures in rounds.items()}
         if "no offload" in runs:

@@ -191,9 +191,9 @@ def plot(result: dict[str, Any], path: Any) -> str:
     return path.name
 
 
-def rounds_text(row: dict[str, Any]) -> str:
-    """Each round's own median, where the sweep ran several: `` (rounds 612, 640)``; else nothing."""
-    medians = row.get("ms_per_round")
+def rounds_text(row: dict[str, Any], key: str = "ms_per_round") -> str:
+    """Each round's own median (``row[key]``), where a row ran in several: `` (rounds 612, 640)``; else nothing."""
+    medians = row.get(key)
     return f" (rounds {', '.join(f'{ms:.0f}' for ms in medians if ms is not None)})" if medians else ""
 
 

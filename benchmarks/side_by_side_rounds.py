@@ -17,10 +17,9 @@ __all__ = ["pool", "round_name"]
 PEAKS = ("peak_allocated_GiB", "peak_reserved_GiB")
 
 
-def round_name(name: str, round_: int) -> str:
-    """A run's name (its log file) in a round: the first round's is the row's own, as without rounds."""
-    head, _, tail = name.partition("-")
-    return name if round_ == 1 else f"{head}-r{round_}-{tail}"
+def round_name(interval: int, row: str, round_: int) -> str:
+    """A run's name (its log file): the first round's is the one a run has without rounds."""
+    return f"log{interval}-{row}" if round_ == 1 else f"log{interval}-r{round_}-{row}"
 
 
 def counted(figures: dict[str, Any]) -> list[float]:

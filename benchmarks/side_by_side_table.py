@@ -6,14 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from benchmarks.memory_speed_curve import rounds_text
 from benchmarks.side_by_side_rows import UPSTREAM_BASE
 from benchmarks.trace_summary import table as trace_table
-
-
-def rounds_text(row: dict[str, Any]) -> str:
-    """Each round's own median, where the row ran in several (``--rounds``): ``  rounds 612.0, 640.5``."""
-    medians = row.get("step_ms_per_round")
-    return f"  rounds {', '.join(f'{ms:.1f}' for ms in medians)}" if medians else ""
 
 
 def table(results: dict[str, Any]) -> str:
@@ -37,7 +32,7 @@ def table(results: dict[str, Any]) -> str:
             lines.append(
                 f"{name:26} {r['step_ms']:8.1f} {r.get('x_base', 1):7.3f} {r.get('peak_allocated_GiB', 0):10.2f} "
                 f"{r.get('peak_reserved_GiB', 0):10.2f} {r.get('cap_GiB', 0):6.2f} {exposed:>8}"
-                f"  {equal}{rounds_text(r)}"
+                f"  {equal}{rounds_text(r, 'step_ms_per_round')}"
             )
     if "profiled" in results:
         lines += ["", f"profiled: {results['profiled']['note']}"]

@@ -61,7 +61,7 @@ def test_rounds_run_every_row_that_ran_again_in_turn_and_pool_its_iterations(
     assert step["peak_reserved_GiB"] == 6.0 and step["rounds"] == 2
     assert step["losses_equal"] is True and step["x_base"] == pytest.approx(1.0)
     assert "error" in results["cap 90%: no offload"]
-    assert "rounds 110.0, 210.0" in (tmp_path / "table.txt").read_text()
+    assert "(rounds 110, 210)" in (tmp_path / "table.txt").read_text()
 
 
 def test_a_row_whose_losses_change_between_rounds_differs_from_its_base(
