@@ -18,7 +18,12 @@ from megatron_offload.optimizer_state.scheduler import StateScheduler
 __all__ = ["Handle", "RoomForForward", "allocated_bytes", "sampled"]
 
 SAMPLES = 64  # hooks per backward, and per forward
-READ_EVERY = 4  # a forward with no copies out pending reads memory at every fourth hook
+# A forward reads memory (tens of microseconds of host time, which the GPU waits for where the loop is
+# host-bound) at its first hook after a step, then at every READ_EVERY-th, or every READ_SPARSE-th while the
+# last reading left room for the rest of the forward and a whole forward's growth twice over. In between, a
+# hook with copies out pending reckons memory from the last reading and the first forward's profile.
+READ_EVERY = 4
+READ_SPARSE = 32
 LOOKAHEAD = 2  # hooks ahead a forward makes room for: what one module allocates and frees between hooks
 
 
@@ -50,7 +55,9 @@ class RoomForForward:
     natural peak). The compute stream waits for those copies on the device, never the host, and the other
     copies run beside the forward. If allocated now plus what the rest of the first forward added would
     pass the limit even with every copy out landed (the workload grew), every copy out is given back and
-    kept state goes too: slower, never out of memory where offloading fits. Given a ``clock``, each first forward
+    kept state goes too: slower, never out of memory where offloading fits. Memory is read every few hooks
+    (``READ_EVERY``, ``READ_SPARSE``): a hook in between takes what the forward holds beyond its profile from
+    the last reading, so a forward that grew is seen at the next one. Given a ``clock``, each first forward
     is also timed, on the device, from its first hook to its last (``first_forward_ms``, the shortest so far).
 
     ``pace`` False (some of the allocator's memory is in fixed-size segments, see
@@ -84,6 +91,9 @@ class RoomForForward:
         self.profile: list[int] = []  # highest natural reading up to each hook of the first iteration
         self.peaks: list[int] = []  # the allocator's highest allocation so far at each hook (between hooks too)
         self.top = 0  # the first hook where the profile reached its highest reading
+        self.growth = 0  # what one forward adds, by the profile: its top less its first hook's reading
+        self.above: int | None = None  # at the last reading, natural memory beyond the profile; None: read next
+        self.next_read = 0  # the hook (``calls``) whose memory is read next
         self.waited = 0  # times a forward had the compute stream wait for copies out (for tests and the log)
         self.first_forward_ms: float | None = None  # the shortest first forward so far, first hook to last
         self._marks: list[Any] = []  # this iteration's first forward: events at its first and last hook
@@ -112,20 +122,32 @@ class RoomForForward:
                 self.handle.drain_offloads(None)
             return
         pending = self.handle.pending_offload_bytes()
-        if not self.profile or (self.calls % READ_EVERY and not pending):
-            return  # with nothing leaving, a reading every few hooks is enough to see a forward grow
+        if not self.profile or (self.above is not None and self.calls < self.next_read and not pending):
+            return  # nothing leaving: a reading every few hooks is enough to see a forward grow
         scheduler = self.handle.scheduler
         headroom = scheduler.limit() - scheduler.caching_gap - scheduler.margin()
         index = min(self.calls, len(self.profile)) - 1
+        kept = self.handle.kept_bytes()
+        if self.above is not None and self.calls < self.next_read:
+            # Reckoned, not read: the profile here, what the last reading held beyond it, what is still leaving.
+            self._make_room(self.profile[index] + self.above + pending + kept, pending, index, headroom)
+            return
         allocated = allocated_bytes()
+        self.above = max(0, allocated - pending - kept - self.profile[index])
         grown = allocated - pending + self.profile[-1] - self.profile[index] - headroom
+        self.next_read = self.calls + (READ_SPARSE if -grown >= 2 * self.growth else READ_EVERY)
         if grown > 0:
             if pending:
                 self._release(None)
-            if self.handle.kept_bytes():
+            if kept:
                 self.handle.evict(grown)  # kept state out for good: the scheduler re-chooses after the step
                 self._release(None)
-        elif pending and allocated + self._ahead(index) > headroom:
+        else:
+            self._make_room(allocated, pending, index, headroom)
+
+    def _make_room(self, allocated: int, pending: int, index: int, headroom: int) -> None:
+        """Give back the copies out that the forward, holding ``allocated`` now, needs room for ahead."""
+        if pending and allocated + self._ahead(index) > headroom:
             self._release(min(pending, allocated + self._ahead(index) - headroom))
 
     def _ahead(self, index: int) -> int:
@@ -154,11 +176,12 @@ class RoomForForward:
         if self.learning and self.calls:
             self.learning = False
             self.top = self.profile.index(self.profile[-1]) if self.profile else 0
+            self.growth = self.profile[-1] - self.profile[0] if self.profile else 0
         if len(self._marks) == 2 and self._marks[1].query():
             ms = self._marks[0].elapsed_time(self._marks[1])
             self.first_forward_ms = ms if self.first_forward_ms is None else min(self.first_forward_ms, ms)
         self._marks.clear()
-        self.calls = 0
+        self.calls, self.above = 0, None  # the first hook after a step reads: the step moved memory
 
     def remove(self) -> None:
         for hook in self.hooks:
