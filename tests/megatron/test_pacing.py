@@ -4,8 +4,9 @@ lets everything land; a later forward as forecast never waits; one that starts w
 its peak has room for releases them a few at a time, each just ahead of the memory it needs, never on
 the host; one that grew releases just what it needs, then offloads kept state; between readings a hook
 reckons memory from the last one and releases as a reading would, a growth is seen at the next reading, and
-with room to spare readings are few; hooks sit on about SAMPLES modules and each lets the copies move. Where some memory is in fixed-size segments, no pacing: the step's
-end waits, and a hook waits on the host for the forward's whole room."""
+with room to spare readings are few; hooks sit on about SAMPLES modules and each lets the copies move.
+Where some memory is in fixed-size segments, no pacing: the step's end waits, and a hook waits on the host
+for the forward's whole room."""
 
 from __future__ import annotations
 
