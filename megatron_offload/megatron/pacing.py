@@ -18,10 +18,10 @@ from megatron_offload.optimizer_state.scheduler import StateScheduler
 __all__ = ["Handle", "RoomForForward", "allocated_bytes", "sampled"]
 
 SAMPLES = 64  # hooks per backward, and per forward
-# A forward reads memory (tens of microseconds of host time, which the GPU waits for where the loop is
-# host-bound) at its first hook after a step, then at every READ_EVERY-th, or every READ_SPARSE-th while the
-# last reading left room for the rest of the forward and a whole forward's growth twice over. In between, a
-# hook with copies out pending reckons memory from the last reading and the first forward's profile.
+# With copies out pending a forward reads memory at every hook. With none it reads (tens of microseconds of
+# host time, which the GPU waits for where the loop is host-bound) at its first hook after a step, then at
+# every READ_EVERY-th, or every READ_SPARSE-th while the last reading left room for the rest of the forward
+# and a whole forward's growth twice over: enough to see a forward grow.
 READ_EVERY = 4
 READ_SPARSE = 32
 LOOKAHEAD = 2  # hooks ahead a forward makes room for: what one module allocates and frees between hooks
@@ -55,10 +55,10 @@ class RoomForForward:
     natural peak). The compute stream waits for those copies on the device, never the host, and the other
     copies run beside the forward. If allocated now plus what the rest of the first forward added would
     pass the limit even with every copy out landed (the workload grew), every copy out is given back and
-    kept state goes too: slower, never out of memory where offloading fits. Memory is read every few hooks
-    (``READ_EVERY``, ``READ_SPARSE``): a hook in between takes what the forward holds beyond its profile from
-    the last reading, so a forward that grew is seen at the next one. Given a ``clock``, each first forward
-    is also timed, on the device, from its first hook to its last (``first_forward_ms``, the shortest so far).
+    kept state goes too: slower, never out of memory where offloading fits. With nothing leaving, memory is
+    read every few hooks (``READ_EVERY``, ``READ_SPARSE``): a forward that grew is seen at the next reading.
+    Given a ``clock``, each first forward is also timed, on the device, from its first hook to its last
+    (``first_forward_ms``, the shortest so far).
 
     ``pace`` False (some of the allocator's memory is in fixed-size segments, see
     ``gpu_memory.every_segment_remappable``): memory freed in the middle of the forward would leave holes
@@ -92,8 +92,7 @@ class RoomForForward:
         self.peaks: list[int] = []  # the allocator's highest allocation so far at each hook (between hooks too)
         self.top = 0  # the first hook where the profile reached its highest reading
         self.growth = 0  # what one forward adds, by the profile: its top less its first hook's reading
-        self.above: int | None = None  # at the last reading, natural memory beyond the profile; None: read next
-        self.next_read = 0  # the hook (``calls``) whose memory is read next
+        self.next_read = 0  # with nothing leaving, the hook (``calls``) whose memory is read next
         self.waited = 0  # times a forward had the compute stream wait for copies out (for tests and the log)
         self.first_forward_ms: float | None = None  # the shortest first forward so far, first hook to last
         self._marks: list[Any] = []  # this iteration's first forward: events at its first and last hook
@@ -122,32 +121,21 @@ class RoomForForward:
                 self.handle.drain_offloads(None)
             return
         pending = self.handle.pending_offload_bytes()
-        if not self.profile or (self.above is not None and self.calls < self.next_read and not pending):
+        if not self.profile or (self.calls < self.next_read and not pending):
             return  # nothing leaving: a reading every few hooks is enough to see a forward grow
         scheduler = self.handle.scheduler
         headroom = scheduler.limit() - scheduler.caching_gap - scheduler.margin()
         index = min(self.calls, len(self.profile)) - 1
-        kept = self.handle.kept_bytes()
-        if self.above is not None and self.calls < self.next_read:
-            # Reckoned, not read: the profile here, what the last reading held beyond it, what is still leaving.
-            self._make_room(self.profile[index] + self.above + pending + kept, pending, index, headroom)
-            return
         allocated = allocated_bytes()
-        self.above = max(0, allocated - pending - kept - self.profile[index])
         grown = allocated - pending + self.profile[-1] - self.profile[index] - headroom
         self.next_read = self.calls + (READ_SPARSE if -grown >= 2 * self.growth else READ_EVERY)
         if grown > 0:
             if pending:
                 self._release(None)
-            if kept:
+            if self.handle.kept_bytes():
                 self.handle.evict(grown)  # kept state out for good: the scheduler re-chooses after the step
                 self._release(None)
-        else:
-            self._make_room(allocated, pending, index, headroom)
-
-    def _make_room(self, allocated: int, pending: int, index: int, headroom: int) -> None:
-        """Give back the copies out that the forward, holding ``allocated`` now, needs room for ahead."""
-        if pending and allocated + self._ahead(index) > headroom:
+        elif pending and allocated + self._ahead(index) > headroom:
             self._release(min(pending, allocated + self._ahead(index) - headroom))
 
     def _ahead(self, index: int) -> int:
@@ -181,7 +169,7 @@ class RoomForForward:
             ms = self._marks[0].elapsed_time(self._marks[1])
             self.first_forward_ms = ms if self.first_forward_ms is None else min(self.first_forward_ms, ms)
         self._marks.clear()
-        self.calls, self.above = 0, None  # the first hook after a step reads: the step moved memory
+        self.calls, self.next_read = 0, 0  # the first hook after a step reads: the step moved memory
 
     def remove(self) -> None:
         for hook in self.hooks:
