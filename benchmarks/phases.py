@@ -135,10 +135,11 @@ def install(marks: Marks, training: Any, schedules: Any, gpt_model_class: Any) -
 
 def time_hooks(host_ms: dict[str, float]) -> None:
     """Add up the host's ms in Python's garbage collector and in this project's training-loop hooks (the
-    forward's and the backward's, wrapped before they are registered) into ``host_ms``."""
+    forward's and the backward's, wrapped before they are registered, and what the gradients' finalize
+    starts, looked up at each call) into ``host_ms``."""
     import gc
 
-    from megatron_offload.megatron import backward_prefetch, pacing
+    from megatron_offload.megatron import backward_prefetch, finalize_prefetch, pacing
 
     started = [0.0]
 
@@ -164,6 +165,7 @@ def time_hooks(host_ms: dict[str, float]) -> None:
     pacing.RoomForForward.before_forward = timed(pacing.RoomForForward.before_forward)
     prefetch = backward_prefetch.PrefetchDuringBackward
     prefetch.on_grad_ready = timed(prefetch.on_grad_ready)
+    finalize_prefetch.bring_back_for_step = timed(finalize_prefetch.bring_back_for_step)
 
 
 def options(argv: list[str]) -> tuple[dict[str, Any], list[str]]:

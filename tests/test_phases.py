@@ -141,3 +141,22 @@ def test_options_before_the_script_combine_in_any_order() -> None:
     found, argv = phases.options(["--allocator", "--snapshot-oom", "o", "--snapshot-forwards", "12", "p", "s.py", "-x"])
     assert found == {"allocator": True, "oom": "o", "forwards": (12, "p")} and argv == ["s.py", "-x"]
     assert phases.options(["s.py", "--allocator"]) == ({}, ["s.py", "--allocator"])  # the script's own flags stay
+
+
+def test_the_hooks_timed_include_what_the_gradients_finalize_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+
+    from megatron_offload.megatron import backward_prefetch, finalize_prefetch, pacing
+
+    # Restored after the test: time_hooks replaces them for the rest of a process.
+    monkeypatch.setattr(pacing.RoomForForward, "before_forward", pacing.RoomForForward.before_forward)
+    monkeypatch.setattr(backward_prefetch.PrefetchDuringBackward, "on_grad_ready",
+                        backward_prefetch.PrefetchDuringBackward.on_grad_ready)  # fmt: skip
+    monkeypatch.setattr(finalize_prefetch, "bring_back_for_step", finalize_prefetch.bring_back_for_step)
+    monkeypatch.setattr(gc, "callbacks", list(gc.callbacks))
+    host_ms = {"gc": 0.0, "hooks": 0.0}
+    phases.time_hooks(host_ms)
+    undecided = SimpleNamespace(scheduler=SimpleNamespace(decided=False))
+    finalize = finalize_prefetch.PrefetchOnFinalize(lambda: "finalized", undecided)
+    assert finalize() == "finalized"  # the wrapper looks the function up at each call: the timed one ran
+    assert host_ms["hooks"] > 0
