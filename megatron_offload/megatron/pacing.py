@@ -91,7 +91,6 @@ class RoomForForward:
         self.profile: list[int] = []  # highest natural reading up to each hook of the first iteration
         self.peaks: list[int] = []  # the allocator's highest allocation so far at each hook (between hooks too)
         self.top = 0  # the first hook where the profile reached its highest reading
-        self.growth = 0  # what one forward adds, by the profile: its top less its first hook's reading
         self.next_read = 0  # with nothing leaving, the hook (``calls``) whose memory is read next
         self.waited = 0  # times a forward had the compute stream wait for copies out (for tests and the log)
         self.first_forward_ms: float | None = None  # the shortest first forward so far, first hook to last
@@ -128,7 +127,8 @@ class RoomForForward:
         index = min(self.calls, len(self.profile)) - 1
         allocated = allocated_bytes()
         grown = allocated - pending + self.profile[-1] - self.profile[index] - headroom
-        self.next_read = self.calls + (READ_SPARSE if -grown >= 2 * self.growth else READ_EVERY)
+        growth = self.profile[-1] - self.profile[0]  # what one forward adds, by the profile
+        self.next_read = self.calls + (READ_SPARSE if -grown >= 2 * growth else READ_EVERY)
         if grown > 0:
             if pending:
                 self._release(None)
@@ -164,7 +164,6 @@ class RoomForForward:
         if self.learning and self.calls:
             self.learning = False
             self.top = self.profile.index(self.profile[-1]) if self.profile else 0
-            self.growth = self.profile[-1] - self.profile[0] if self.profile else 0
         if len(self._marks) == 2 and self._marks[1].query():
             ms = self._marks[0].elapsed_time(self._marks[1])
             self.first_forward_ms = ms if self.first_forward_ms is None else min(self.first_forward_ms, ms)
