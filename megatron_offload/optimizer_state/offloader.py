@@ -1,11 +1,10 @@
 """Move an optimizer's per-parameter state to host memory between steps, and back for the next one.
 
-Knows nothing of Megatron: any ``torch.optim.Optimizer`` plus optional fp32 master weights. The offloader
-composes three parts and owns the copy queue and the figures they share: ``state`` (planned_state.py: the plan
-of plan.py, which cuts the state into chunks of whole parameters, with its host slab and the kept bytes),
-``mover`` (chunk_copies.py: what a chunk's copy through the copy core, core/copies.py, means for its tensors)
-and ``device_view`` (device_view.py: the tensors as the step's code meets them on the device). Its prefetch
-walks the plan with prefetch_walk.py.
+Knows nothing of Megatron: any ``torch.optim.Optimizer`` plus optional fp32 master weights. The offloader composes three
+parts and owns the copy queue and the figures they share: ``state`` (planned_state.py: the plan of plan.py, which cuts
+the state into chunks of whole parameters, with its host slab and the kept bytes), ``mover`` (chunk_copies.py: what a
+chunk's copy through the copy core, core/copies.py, means for its tensors) and ``device_view`` (device_view.py: the
+tensors as the step's code meets them on the device). Its prefetch walks the plan with prefetch_walk.py.
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
 """Stream a model's layers through a few GPU slots: weights in before each use, gradients out after each
 backward, the GPU holding only the layers being computed and the next ones.
 
-Between uses a parameter's ``.data`` and gradient attribute (``main_grad`` in megatron-core) point at
-its host copy; the unit is *lent* to the GPU around a use: its weights copied into a slot (prefetched
-while earlier layers computed) and its params pointed there; in its backward, its gradients point into
-a gradient slot that starts at zero (first micro-batch of a step) or at the host's running sum (later
-micro-batches), so the framework's own accumulation (``main_grad.add_(grad)``) runs on the GPU and the
-result goes back to the host whole. The copies run on the copy core's side streams; the compute stream
-waits for them on the device only; the host never waits.
+Between uses a parameter's ``.data`` and gradient attribute (``main_grad`` in megatron-core) point at its host copy;
+the unit is *lent* to the GPU around a use: its weights copied into a slot (prefetched while earlier layers
+computed) and its params pointed there; in its backward, its gradients point into a gradient slot that starts at
+zero (first micro-batch of a step) or at the host's running sum (later micro-batches), so the framework's own
+accumulation (``main_grad.add_(grad)``) runs on the GPU and the result goes back to the host whole. The copies run
+on the copy core's side streams; the compute stream waits for them on the device only; the host never waits.
 
 NOTE: every copy in waits for a mark of the compute stream taken when it is queued: everything that
 last read the slot and every write to the host copy (the optimizer step) is ordered before it.
