@@ -95,6 +95,15 @@ def estimate_s(n_caps: int, micro_batches: int, upstream: bool, rounds: int = 1)
     return rounds * (one["no offload"] + ours) + (one["upstream"] + offload) * upstream
 
 
+PEAKS = ("peak_allocated_GiB", "peak_reserved_GiB")
+
+
+def highest_peaks(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """The highest of each peak (``PEAKS``) over a row's runs, where any logged it."""
+    found = {key: [figures[key] for figures in runs if figures.get(key) is not None] for key in PEAKS}
+    return {key: max(peaks) for key, peaks in found.items() if peaks}
+
+
 def cell(figures: dict[str, Any], base: dict[str, Any] | None, window: Window = AT_INTERVAL_1) -> dict[str, Any]:
     """A row's figures under one cap: ms/iter, its ratio to no offload, peaks, losses, or why it did not run."""
     return pooled_cell([figures], base, window)
@@ -122,10 +131,7 @@ def pooled_cell(
     for key in ("offloaded_GiB", "link_GBps", "wall_s", "phases_ms"):
         if runs[0].get(key) is not None:
             row[key] = runs[0][key]
-    for key in ("peak_reserved_GiB", "peak_allocated_GiB"):
-        peaks = [figures[key] for figures in runs if figures.get(key) is not None]
-        if peaks:
-            row[key] = max(peaks)
+    row |= highest_peaks(runs)
     retries = [n for figures in runs for n in in_window(figures, "allocator_retries_by_iteration", window)]
     if retries:  # the caching allocator ran short under the cap in the timed iterations: each a stall
         row["allocator_retries"] = sum(retries)

@@ -11,10 +11,9 @@ import statistics
 from typing import Any
 
 from benchmarks.megatron_job import steady
+from benchmarks.memory_speed_curve import highest_peaks
 
 __all__ = ["pool", "round_name"]
-
-PEAKS = ("peak_allocated_GiB", "peak_reserved_GiB")
 
 
 def round_name(interval: int, row: str, round_: int) -> str:
@@ -46,10 +45,7 @@ def pool(runs: list[dict[str, Any]]) -> dict[str, Any]:
     per_round = [counted(figures) for figures in runs]
     pooled["step_ms"] = statistics.median(ms for values in per_round for ms in values)
     pooled["step_ms_per_round"] = [statistics.median(values) for values in per_round]
-    for key in PEAKS:
-        peaks = [figures[key] for figures in runs if figures.get(key) is not None]
-        if peaks:
-            pooled[key] = max(peaks)
+    pooled |= highest_peaks(runs)
     if any(figures.get("losses") != runs[0].get("losses") for figures in runs[1:]):
         pooled["losses"] = None
     pooled["rounds"] = len(runs)
