@@ -68,8 +68,10 @@ class ShareOut:
     """The ready chunks' copies out, started within the step so that the link's other direction carries
     them while state comes in (both at once), instead of the next forward, which must free that memory
     before its activations grow. All but ``left`` bytes (what the forward hides behind its compute; the
-    last ones), and no more than the step's ``window`` carries beside the streamed chunks' own copies out:
-    during the ready chunks' updates in proportion to the bytes coming in meanwhile, then spread over the
+    last ones), and no more than the step's ``window`` carries beside the streamed chunks' own copies out.
+    Ahead of the first streamed chunk's copy out, at least as many bytes as come in before its update (the
+    way out carries about as much as the way in meanwhile; queued behind that copy out, they would wait for
+    it with the way out idle), else in proportion to the bytes coming in meanwhile; the rest spread over the
     streamed chunks, so that each streamed chunk's copy out, which frees a staging buffer, waits behind a
     share only. What is left stays queued for the loop's next points."""
 
@@ -104,6 +106,9 @@ class ShareOut:
     def _start_due(self) -> None:
         whole = self.coming + self.streamed
         due = self.goal if not whole else self.goal * (self.coming + self.passed) // whole
+        if self.streamed:
+            ahead = min(self.goal, self.coming)  # what the way out carries before the first streamed update
+            due = max(due, ahead + (self.goal - ahead) * self.passed // self.streamed)
         while self.waiting and self.started + self.waiting[0].chunk.nbytes <= due:
             copy = self.waiting.popleft()
             if copy.done is None and copy.pairs:  # not started by a point meanwhile, nor dropped

@@ -87,6 +87,10 @@ class Staging:
         self.leaving.append(done if done is not None else self.off.streams.mark())
         self.bring_in_due()
 
+    def queued_behind_first(self) -> int:
+        """Bytes of the streamed chunks after the first whose copies in are queued (they land after it)."""
+        return sum(chunk.nbytes for chunk in self.streamed[1 : self.brought])
+
     def bring_in_due(self) -> None:
         """Queue, in order, the copies in of the chunks whose bytes no chunk still to leave holds."""
         while self.brought < len(self.streamed):

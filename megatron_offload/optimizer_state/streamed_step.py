@@ -206,7 +206,7 @@ def run(
             stage.begin([[p for c in group for p in c.params] for group in [*ready_groups, *([c] for c in streamed)]])
         staging.bring_in_due()
         moving = sum(chunk.nbytes for chunk in ready if not chunk.kept)
-        coming = off.copies.pending_bytes(PREFETCH)  # what came back late and the first streamed chunks
+        coming = max(0, off.copies.pending_bytes(PREFETCH) - staging.queued_behind_first())
         streamed_bytes = sum(chunk.nbytes for chunk in streamed)
         beside = ShareOut(off.copies, moving, coming, streamed_bytes, forward_hides, window)
         for group in ready_groups:

@@ -1,7 +1,8 @@
 """The ready chunks' copies out within the streamed step (``share_out.ShareOut``), on the CPU.
 
 What it proves: chunks that came back before the step start their copies out inside it, between the
-streamed chunks' copies out rather than all ahead of them; all but the bytes left to the forward (the last
+streamed chunks' copies out rather than all ahead of them, but for as many as still come in ahead of the first
+streamed chunk's update, which go ahead of its copy out; all but the bytes left to the forward (the last
 ones), which stay queued for the loop's next points; with nothing streamed, all of them at once; no more than
 the link carries in the step's time as the last step measured it (``StepWindow``), the rest queued; the values
 are those of the optimizer's own step either way.
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_offload.core.streams import OFFLOAD, HostStreams
+from megatron_offload.core.streams import OFFLOAD, PREFETCH, HostStreams
 from megatron_offload.optimizer_state import streamed_step
 from megatron_offload.optimizer_state.chunk_step import ChunkStepper
 from megatron_offload.optimizer_state.share_out import StepWindow
@@ -35,6 +36,15 @@ class Recording(HostStreams):
         if direction == OFFLOAD:
             self.out.append(pairs[0][0].data_ptr())
         return super().copy(direction, pairs, after)
+
+
+class InFlight(Recording):
+    """Recording, whose copies in are still in flight at the step: each lands when the compute stream
+    first waits for it (the chunk's update), so the step sees them coming in."""
+
+    def copy(self, direction, pairs, after):
+        began, done = super().copy(direction, pairs, after)
+        return (began, Gate()) if direction == PREFETCH else (began, done)
 
 
 class At:
@@ -70,13 +80,14 @@ class Clocked(Recording):
         return self.timed_marks[-1]
 
 
-def step_with_some_back(back_bytes: int | None, forward_hides: int, carried: int | None = None):
+def step_with_some_back(back_bytes: int | None, forward_hides: int, carried: int | None = None, in_flight=False):
     """Five steps as the loop runs them: bring back ``back_bytes`` (None: all), then the streamed step
     leaving ``forward_hides`` bytes; the last step's copies out are left as the step leaves them. ``carried``:
-    with a step window whose link carries that many bytes out in the time it measures."""
+    with a step window whose link carries that many bytes out in the time it measures. ``in_flight``: the
+    copies in are still coming in as the step begins."""
     reference, _ = many_masters()
     optimizer, masters = many_masters()
-    streams = Recording() if carried is None else Clocked()
+    streams = InFlight() if in_flight else Recording() if carried is None else Clocked()
     window = None if carried is None else StepWindow(streams, lambda: carried / Clocked.WINDOW_MS * 1000)
     offloader = offloader_for(optimizer, masters, chunk_bytes=2000, streams=streams)
     offloader.offload()
@@ -109,6 +120,24 @@ def test_ready_chunks_leave_between_the_streamed_ones_within_the_step() -> None:
     streamed = [index for index in order if index not in ready]
     assert sorted(order) == sorted(c.index for c in offloader.chunks)  # each chunk left once
     assert order.index(streamed[0]) < max(order.index(index) for index in ready)  # not all ready ones first
+    offloader.copies.drain()
+    offloader.wait()
+    assert_same_training_state(reference, optimizer)
+
+
+def test_as_many_leave_ahead_of_the_first_streamed_chunk_as_come_in_before_its_update() -> None:
+    """The way out carries about what the way in carries meanwhile: while the chunks brought back still come
+    in ahead of the first streamed chunk's update, their copies out are queued ahead of that chunk's copy out
+    (behind it, they would wait for its update with the way out idle); landed ones are spread as before."""
+    landed = step_with_some_back(20000, forward_hides=0)
+    reference, optimizer, offloader, back, streams = step_with_some_back(20000, forward_hides=0, in_flight=True)
+    for run, spread in ((landed, True), ((reference, optimizer, offloader, back, streams), False)):
+        chunks, ready = run[2].chunks, {chunk.index for chunk in run[3]}
+        assert ready and len(ready) < len(chunks)  # some came back, some streamed
+        order = [next(c.index for c in chunks if first_byte(c) == ptr) for ptr in run[4].out]
+        assert sorted(order) == sorted(c.index for c in chunks)  # each chunk left once, within the step
+        first_streamed = next(i for i, index in enumerate(order) if index not in ready)
+        assert (set(order[:first_streamed]) != ready) == spread
     offloader.copies.drain()
     offloader.wait()
     assert_same_training_state(reference, optimizer)
