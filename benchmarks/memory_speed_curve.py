@@ -104,6 +104,14 @@ def highest_peaks(runs: list[dict[str, Any]]) -> dict[str, float]:
     return {key: max(peaks) for key, peaks in found.items() if peaks}
 
 
+def pooled_medians(per_run: list[list[float]]) -> tuple[float | None, list[float | None]]:
+    """The median of every run's counted ms/iter together, and each run's own (None where a run counted none)."""
+    counted = [ms for values in per_run for ms in values]
+    return (statistics.median(counted) if counted else None), [
+        statistics.median(values) if values else None for values in per_run
+    ]
+
+
 def cell(figures: dict[str, Any], base: dict[str, Any] | None, window: Window = AT_INTERVAL_1) -> dict[str, Any]:
     """A row's figures under one cap: ms/iter, its ratio to no offload, peaks, losses, or why it did not run."""
     return pooled_cell([figures], base, window)
@@ -121,10 +129,10 @@ def pooled_cell(
         return {"outcome": outcome, "reason": failed["error"]}
     per_run = [in_window(figures, "step_ms_by_iteration", window) for figures in runs]
     counted = [ms for values in per_run for ms in values]
-    ms = statistics.median(counted) if counted else None
+    ms, per_round = pooled_medians(per_run)
     row: dict[str, Any] = {"outcome": "ran", "ms_per_iter": ms}
     if len(runs) > 1:  # how far the rounds' own medians lie apart: the machine's drift over the call
-        row["ms_per_round"] = [statistics.median(values) if values else None for values in per_run]
+        row["ms_per_round"] = per_round
     if len(counted) >= 4:  # how far single lines spread around the median: the quartiles
         quartiles = statistics.quantiles(counted, n=4)
         row["ms_quartiles"] = [quartiles[0], quartiles[2]]

@@ -7,11 +7,10 @@ it, to show the drift."""
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 from benchmarks.megatron_job import steady
-from benchmarks.memory_speed_curve import highest_peaks
+from benchmarks.memory_speed_curve import highest_peaks, pooled_medians
 
 __all__ = ["pool", "round_name"]
 
@@ -42,9 +41,7 @@ def pool(runs: list[dict[str, Any]]) -> dict[str, Any]:
     if failed is not None:
         return failed | {"rounds": len(runs)}
     pooled = dict(runs[0])
-    per_round = [counted(figures) for figures in runs]
-    pooled["step_ms"] = statistics.median(ms for values in per_round for ms in values)
-    pooled["step_ms_per_round"] = [statistics.median(values) for values in per_round]
+    pooled["step_ms"], pooled["step_ms_per_round"] = pooled_medians([counted(figures) for figures in runs])
     pooled |= highest_peaks(runs)
     if any(figures.get("losses") != runs[0].get("losses") for figures in runs[1:]):
         pooled["losses"] = None
