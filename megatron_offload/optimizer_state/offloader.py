@@ -169,7 +169,7 @@ class OptimizerStateOffloader:
 
     # ----------------------------------------------------------------------- whole-state moves
     def evict(self, nbytes: int) -> int:
-        """Keep ``nbytes`` less on the GPU (memory ran short): the first kept chunks in step order
+        """Keep ``nbytes`` less on the GPU (memory ran short): kept chunks from the front of the kept run
         leave now (those on the GPU are queued out) until that many are no longer kept. What stays kept is
         the goal from now on, in later plans too, so nothing brings them back. Returns the bytes let go."""
         gone = self.state.let_go(nbytes)

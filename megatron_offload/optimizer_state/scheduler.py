@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from megatron_offload.core.gpu_memory import gpu_only
 from megatron_offload.core.units import GIB, MIB
 
-__all__ = ["Peaks", "StateScheduler", "kept_at_back", "kept_within", "whole_chunks"]
+__all__ = ["Peaks", "StateScheduler", "whole_chunks"]
 
 MARGIN_SHARE = 0.03  # of the limit, kept free for what no reading sees (allocator rounding, spikes)
 MIN_MARGIN_BYTES = 128 * MIB
@@ -38,39 +38,32 @@ class Peaks:
     reserved: int
 
 
-def kept_at_back(sizes: Sequence[int], budget: int) -> list[bool]:
-    """Which chunks stay on the GPU within ``budget`` bytes: from the back of the step order, every chunk that
-    fits in what is left, one too large for it passed over rather than ending the run. A parameter's state is
-    never split, so one chunk (an embedding's state) can be many times the others: ending at it would keep
-    none of the smaller chunks before it, and move bytes the budget had room for."""
-    flags, left = [False] * len(sizes), budget
-    for index in range(len(sizes) - 1, -1, -1):
-        if sizes[index] <= left:
-            flags[index], left = True, left - sizes[index]
-    return flags
-
-
-def kept_within(sizes: Sequence[int], budget: int) -> int:
-    """Bytes of the chunks ``kept_at_back`` keeps within ``budget``."""
-    return sum(size for size, kept in zip(sizes, kept_at_back(sizes, budget), strict=True) if kept)
+def suffix_within(sizes: Sequence[int], budget: int) -> int:
+    """Bytes of the longest run of whole chunks at the back of ``sizes`` that fits in ``budget``."""
+    kept = 0
+    for size in reversed(sizes):
+        if kept + size > budget:
+            break
+        kept += size
+    return kept
 
 
 def whole_chunks(budget: int, sizes: Sequence[Sequence[int]], ceilings: Sequence[int] | None = None) -> list[int]:
     """Split ``budget`` over offloaders (``sizes``: each one's chunk sizes in step order) into whole
-    chunks from the back of each (``kept_at_back``): a share in proportion to its state, rounded down, then
-    what rounding left over to whichever can take a whole chunk more. Never more than ``budget`` in total, nor than
+    chunks at the back of each: a share in proportion to its state, rounded down, then what rounding
+    left over to whichever can take a whole chunk more. Never more than ``budget`` in total, nor than
     an offloader's ceiling (what it kept before: decisions only go down)."""
     totals = [sum(s) for s in sizes]
     state = sum(totals)
     budget = max(0, min(budget, state))
     ceilings = list(ceilings) if ceilings is not None else totals
     shares = [
-        kept_within(s, min(ceiling, budget * total // state if state else 0))
+        suffix_within(s, min(ceiling, budget * total // state if state else 0))
         for s, total, ceiling in zip(sizes, totals, ceilings, strict=True)
     ]
     for index, (s, ceiling) in enumerate(zip(sizes, ceilings, strict=True)):
         left = budget - sum(shares)
-        shares[index] = kept_within(s, min(ceiling, shares[index] + left))
+        shares[index] = suffix_within(s, min(ceiling, shares[index] + left))
     return shares
 
 

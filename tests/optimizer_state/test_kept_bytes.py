@@ -1,5 +1,5 @@
 """What stays on the GPU, asked for in bytes (``keep_bytes``, the scheduler's unit) or as a fraction
-(``set_fraction``, ``--offload-fraction F``, made bytes): whole chunks from the back, each one that still
+(``set_fraction``, ``--offload-fraction F``, made bytes): the longest run of whole chunks at the back that
 fits, rounded down, never over what was asked; an eviction lowers it for good."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_offload import OptimizerStateOffloader
-from megatron_offload.optimizer_state.scheduler import kept_at_back
+from megatron_offload.optimizer_state.planned_state import kept_from_bytes
 
 LAYOUTS = [  # (parameter sizes, chunk bytes)
     ((37, 1000, 5, 300, 64, 700, 1), 2000),
@@ -52,7 +52,9 @@ def test_keeping_bytes_never_keeps_more_than_asked(sizes, chunk_bytes: int, step
         flags = kept_flags(offloader)
         assert kept == offloader.kept_bytes == offloader.plan.kept_bytes()
         assert kept <= asked  # rounded down: never over what was decided
-        assert passed_over_only_if_too_large(offloader.full_sizes(), flags, asked)
+        assert flags == sorted(flags)  # a run of whole chunks at the back
+        first = flags.index(True) if True in flags else len(flags)
+        assert first == 0 or kept + offloader.full_sizes()[first - 1] > asked  # the longest run that fits
         assert asked - kept < max(offloader.full_sizes()) or kept == total
         offloader.set_fraction(fraction)  # a fraction is the same bytes
         assert kept_flags(offloader) == flags, fraction
@@ -64,45 +66,18 @@ def test_keeping_bytes_never_keeps_more_than_asked(sizes, chunk_bytes: int, step
     assert offloader.keep_bytes(smallest - 1) == 0
 
 
-def passed_over_only_if_too_large(sizes: list[int], flags: list[bool], budget: int) -> bool:
-    """Walking from the back, each chunk not kept was larger than what the kept ones after it left."""
-    left = budget
-    for size, kept in zip(reversed(sizes), reversed(flags), strict=True):
-        if kept:
-            left -= size
-        elif size <= left:
-            return False
-    return True
-
-
 def test_kept_bytes_round_down_to_whole_chunks() -> None:
     sizes = [1024, 2048, 512]
-    assert kept_at_back(sizes, 0) == [False, False, False]
-    assert kept_at_back(sizes, 511) == [False, False, False]  # not even the last chunk fits
-    assert kept_at_back(sizes, 512) == [False, False, True]
-    assert kept_at_back(sizes, 512 + 2047) == [True, False, True]  # the 2048 passed over, the 1024 fits
-    assert kept_at_back(sizes, 512 + 2048) == [False, True, True]
-    assert kept_at_back(sizes, 3583) == [False, True, True]
-    assert kept_at_back(sizes, 3584) == [True, True, True]
-    assert kept_at_back(sizes, 10**9) == [True, True, True]
-    for budget in range(-64, 3584 + 1, 64):
-        flags = kept_at_back(sizes, budget)
-        assert sum(s for s, kept in zip(sizes, flags, strict=True) if kept) <= max(budget, 0)
-        assert passed_over_only_if_too_large(sizes, flags, budget)
-
-
-def test_one_large_chunk_at_the_back_does_not_send_the_smaller_ones_before_it_out() -> None:
-    """An embedding's state, many times a layer's, last in the step order: what fits beside it stays."""
-    offloader = offloader_of((100,) * 6 + (1600,), 300, stepped=True)
-    offloader.offload()
-    sizes = offloader.full_sizes()
-    assert sizes[-1] > 2 * max(sizes[:-1])
-    kept = offloader.keep_bytes(sizes[-1] - 1)  # room for every small chunk, not for the large one
-    assert kept == sum(sizes[:-1]) and kept_flags(offloader) == [True] * (len(sizes) - 1) + [False]
-    offloader.wait()
-    offloader.offload()  # the small ones stay on the GPU, the large one leaves
-    assert [chunk.on_gpu for chunk in offloader.chunks] == kept_flags(offloader)
-    assert offloader.offloaded_bytes == sizes[-1]
+    assert kept_from_bytes(sizes, 0) == 3
+    assert kept_from_bytes(sizes, 511) == 3  # not even the last chunk fits
+    assert kept_from_bytes(sizes, 512) == 2
+    assert kept_from_bytes(sizes, 512 + 2047) == 2
+    assert kept_from_bytes(sizes, 512 + 2048) == 1
+    assert kept_from_bytes(sizes, 3583) == 1
+    assert kept_from_bytes(sizes, 3584) == 0
+    assert kept_from_bytes(sizes, 10**9) == 0
+    for kept in range(0, 3584 + 1, 64):
+        assert sum(sizes[kept_from_bytes(sizes, kept) :]) <= kept
 
 
 def test_eviction_is_not_undone_by_a_fraction_or_a_later_plan() -> None:
@@ -111,7 +86,7 @@ def test_eviction_is_not_undone_by_a_fraction_or_a_later_plan() -> None:
     offloader.keep_bytes(offloader.plan.full_bytes())
     offloader.wait()
     before = offloader.kept_bytes
-    offloader.evict(1)  # memory ran short: the first kept chunk leaves
+    offloader.evict(1)  # memory ran short: the front of the kept run leaves
     after = offloader.kept_bytes
     assert 0 < after < before and offloader.state.kept_goal == after
     flags = kept_flags(offloader)
