@@ -7,6 +7,10 @@ follow one another through the buffers as through a ring: each after the one bef
 it fits, else at the start of the next buffer, round robin. A chunk's copy in waits, on the device, for the
 copy out of the latest earlier chunk whose bytes it takes over (copies out land in order: the earlier ones have
 landed then); small chunks fill a buffer, so the copies in run up to two buffers ahead of the update.
+Three buffers (one coming in, one updated, one going out) where the chunks are of one size; two where the
+largest is at least twice the third largest (``buffers_for``): from the third on, each buffer holds two chunks or
+more, so a chunk's copy in still runs while the one before it is updated, and the third buffer, mostly empty
+behind one large chunk, is not taken (under a tight cap, a GiB less at the step for a 1 GiB embedding's state).
 ``Staging`` holds one step's buffers and starts those copies in as the chunks before them leave; it may be
 made as the optimizer's step begins, before megatron-core's work ahead of the update (``begin_staging``).
 """
@@ -18,12 +22,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from megatron_offload.core.streams import Event
-from megatron_offload.optimizer_state.plan import ALIGN, Chunk, Plan
+from megatron_offload.optimizer_state.plan import ALIGN, Chunk, Plan, aligned
 
 if TYPE_CHECKING:
     from megatron_offload.optimizer_state.offloader import OptimizerStateOffloader
 
-__all__ = ["Place", "Staging", "places"]
+__all__ = ["Place", "Staging", "buffers_for", "largest_staging", "places"]
 
 
 @dataclass(frozen=True)
@@ -37,11 +41,34 @@ class Place:
     reuses: int | None
 
 
+def buffers_for(sizes: Sequence[int], most: int) -> int:
+    """How many staging buffers chunks of ``sizes`` (largest first) stream through (see above): at most ``most``,
+    two where the largest holds two of the third largest, aligned; never more than there are chunks."""
+    return _buffers(sizes, 0, most)
+
+
+def _buffers(ordered: Sequence[int], first: int, most: int) -> int:
+    """``buffers_for(ordered[first:], most)``, without the copy."""
+    count = len(ordered) - first
+    if count > 2 and 2 * aligned(ordered[first + 2]) <= ordered[first]:
+        return min(2, most)
+    return min(most, count)
+
+
+def largest_staging(sizes: Sequence[int], most: int) -> int:
+    """The most bytes ``Staging`` takes for any of these chunks streamed (those kept stay out of it): for each
+    size as the largest streamed, its buffers times that size, with the next two sizes below it streamed too
+    (any other chunks so streamed have a third largest no larger, so no more buffers)."""
+    ordered = sorted(sizes, reverse=True)
+    return max((_buffers(ordered, i, most) * size for i, size in enumerate(ordered)), default=0)
+
+
 def places(sizes: Sequence[int], capacity: int, buffers: int) -> list[Place]:
     """Each chunk's place, in update order, in ``buffers`` buffers of ``capacity`` bytes each (at least the
     largest size). Every place starts ``ALIGN``-aligned. A chunk never reuses the bytes of either of the two
-    chunks before it where there are three buffers: an empty buffer holds any chunk, and the buffer a chunk moves
-    on to held only chunks older than those of the two buffers used since."""
+    chunks before it where there are three buffers, nor that of the one before it where there are two: an empty
+    buffer holds any chunk, a chunk that stays in a buffer starts past the one before it, and the buffer a chunk
+    moves on to held only chunks older than those of the buffers used since."""
     if sizes and max(sizes) > capacity:
         raise ValueError(f"staging buffers of {capacity} bytes cannot hold a chunk of {max(sizes)} bytes")
     held: list[list[tuple[int, int, int]]] = [[] for _ in range(buffers)]  # (start, end, index): who last wrote where
@@ -64,18 +91,19 @@ def places(sizes: Sequence[int], capacity: int, buffers: int) -> list[Place]:
 
 
 class Staging:
-    """One step's streamed chunks (those neither on the GPU nor coming back), in update order, through
-    ``buffers`` staging buffers as large as the largest of them; the owner of those buffers and of the copies
-    in started so far."""
+    """One step's streamed chunks (those neither on the GPU nor coming back), in update order, through at most
+    ``most`` staging buffers (``buffers_for``) as large as the largest of them; the owner of those buffers and of
+    the copies in started so far."""
 
-    def __init__(self, off: OptimizerStateOffloader, streamed: list[Chunk], buffers: int) -> None:
+    def __init__(self, off: OptimizerStateOffloader, streamed: list[Chunk], most: int) -> None:
         self.off = off
         self.plan: Plan = off.plan
         self.streamed = streamed
         self.size = max((chunk.nbytes for chunk in streamed), default=0)
-        self.buffers = [off.new_block(self.size) for _ in range(min(buffers, len(streamed)))]
+        sizes = [chunk.nbytes for chunk in streamed]
+        self.buffers = [off.new_block(self.size) for _ in range(buffers_for(sizes, most))]
         self.fresh = off.streams.mark()  # the buffers' memory may have been used by compute work still queued
-        self.places = places([chunk.nbytes for chunk in streamed], self.size, len(self.buffers))
+        self.places = places(sizes, self.size, len(self.buffers))
         self.leaving: list[Event] = []  # per chunk updated: its copy out's end (or a mark after its update)
         self.brought = 0  # chunks whose copy in is queued
         off.stats.bytes_streamed += sum(chunk.nbytes for chunk in streamed)

@@ -2,15 +2,14 @@
 
 Chunks on the GPU are updated first, in groups (those that leave before those kept), while the first streamed
 chunks come in; their copies out start within the step (``ShareOut``: between the streamed chunks', all at once
-when nothing streams), but for the bytes left to the loop's next points. The others stream through ``STAGING_CHUNKS``
-buffers as large as the largest of them, one after another as through a ring (``staging_ring``): copies in ahead,
-one chunk updated, copies out behind, at once, every order kept on the device, so the host never waits.
+when nothing streams), but for the bytes left to the loop's next points. The others stream through at most
+``STAGING_CHUNKS`` buffers as large as the largest of them, one after another as through a ring (``staging_ring``):
+copies in ahead, one chunk updated, copies out behind, at once, every order kept on the device: no host waits.
 NOTE: a streamed chunk's copy out starts within the step (its buffer is needed again).
-NOTE: with a ``stage`` (params whose values and gradients live in device-mapped host memory), each
-group's params and gradients come to the GPU ahead of its update (the stage is told the order first),
-and ready chunks are updated in groups of about one chunk (each group's GPU copies are that large), also
-when the whole state is kept on the GPU; only the fallback whole step (after a load replaced tensors)
-updates them where they are.
+NOTE: with a ``stage`` (params whose values and gradients live in device-mapped host memory), each group's params
+and gradients come to the GPU ahead of its update (the stage is told the order first), and ready chunks are updated
+in groups of about one chunk (each group's GPU copies are that large), also when the whole state is kept on the
+GPU; only the fallback whole step (after a load replaced tensors) updates them where they are.
 """
 
 from __future__ import annotations
@@ -27,14 +26,14 @@ from megatron_offload.optimizer_state.chunk_step import ChunkStepper
 from megatron_offload.optimizer_state.plan import Chunk
 from megatron_offload.optimizer_state.share_out import ShareOut, StepWindow
 from megatron_offload.optimizer_state.staged_params import STAGED_BUFFERS, staged_bytes
-from megatron_offload.optimizer_state.staging_ring import Staging
+from megatron_offload.optimizer_state.staging_ring import Staging, largest_staging
 
 if TYPE_CHECKING:
     from megatron_offload.optimizer_state.offloader import OptimizerStateOffloader
 
 __all__ = ["READY_GROUP_BYTES", "STAGING_CHUNKS", "begin_staging", "footprint", "run", "staged_footprint"]
 
-# Buffers the streamed step cycles through: one chunk coming in, one updated, one going out.
+# Most buffers the streamed step cycles through: one chunk coming in, one updated, one going out.
 STAGING_CHUNKS = 3
 # Chunks already on the GPU at the step are updated in groups of about this size: few launches,
 # while the optimizer's temporaries (a foreach Adam makes some the size of a moment: a third of a
@@ -57,15 +56,16 @@ class Stage(Protocol):
 
 
 def footprint(offloader: OptimizerStateOffloader, staged: bool = False) -> int:
-    """Most device memory the streamed step adds beyond what is on the GPU already: the staging
-    chunks, and optimizer temporaries for one group of ready chunks. ``staged``: with a stage, also its
-    buffers (``STAGED_BUFFERS`` of the largest group's params and gradients), and temporaries for a
-    group of one chunk's size (the stage's groups are that large)."""
-    largest = max((_size(c) for c in offloader.chunks), default=offloader.chunk_bytes)
-    chunk_bytes = max(largest, offloader.chunk_bytes)
+    """Most device memory the streamed step adds beyond what is on the GPU already: the staging buffers, whichever
+    chunks stream (``largest_staging``, at least three of ``chunk_bytes``), and optimizer temporaries for one group
+    of ready chunks. ``staged``: with a stage, also its buffers (``STAGED_BUFFERS`` of the largest group's params
+    and gradients), and temporaries for a group of one chunk's size (the stage's groups are that large)."""
+    sizes = [_size(c) for c in offloader.chunks]
+    chunk_bytes = max(*sizes, offloader.chunk_bytes)
+    staging = max(largest_staging(sizes, STAGING_CHUNKS), STAGING_CHUNKS * offloader.chunk_bytes)
     if not staged:
-        return STAGING_CHUNKS * chunk_bytes + max(READY_GROUP_BYTES, offloader.chunk_bytes) // 2
-    return STAGING_CHUNKS * chunk_bytes + chunk_bytes // 2 + staged_footprint(offloader)
+        return staging + max(READY_GROUP_BYTES, offloader.chunk_bytes) // 2
+    return staging + chunk_bytes // 2 + staged_footprint(offloader)
 
 
 def staged_footprint(offloader: OptimizerStateOffloader) -> int:
@@ -218,7 +218,7 @@ def run(
             created = update([chunk])
             out = off.queue_offload(chunk, now=True)  # its bytes are needed again: out at once
             beside.streamed_out(chunk)
-            excess = off.leaving_bytes - STAGING_CHUNKS * staging.size
+            excess = off.leaving_bytes - len(staging.buffers) * staging.size
             if created and excess > 0:
                 # Adam's first step makes the moments in memory of their own, faster than they can leave:
                 # on the host, once, wait for the oldest to land, so that step holds a few chunks too.

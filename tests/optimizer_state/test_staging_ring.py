@@ -2,10 +2,11 @@
 
 What it proves: chunks of one size take turns through the three buffers as before (each reuses the one three
 before it); uneven chunks follow one another through the buffers, so that after one large chunk the copies in
-of the small ones need not wait for its copy out; every place lies inside its buffer, aligned; a chunk waits
-for the latest earlier chunk whose bytes it overlaps, never for one of the two before it (which the host has
-not queued out yet when it queues this copy in); and the streamed step so placed matches the optimizer's own
-step bit for bit, its copies in waiting for exactly those copies out.
+of the small ones need not wait for its copy out; a large chunk among small ones takes two buffers, not three,
+and the step's footprint bounds the buffers of any chunks streamed; every place lies inside its buffer, aligned;
+a chunk waits for the latest earlier chunk whose bytes it overlaps, never for one the host has not queued out yet
+when it queues this copy in (of three buffers the two before it, of two the one before it); and the streamed
+step so placed matches the optimizer's own step bit for bit, its copies in waiting for exactly those copies out.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from megatron_offload.core.streams import OFFLOAD, PREFETCH, HostStreams
 from megatron_offload.optimizer_state import streamed_step
 from megatron_offload.optimizer_state.chunk_step import ChunkStepper
 from megatron_offload.optimizer_state.plan import ALIGN
-from megatron_offload.optimizer_state.staging_ring import places
+from megatron_offload.optimizer_state.staging_ring import buffers_for, largest_staging, places
 from tests.optimizer_state.cpu_engine import (
     adam_with_masters,
     assert_same_training_state,
@@ -59,6 +60,48 @@ def test_every_chunk_waits_for_the_latest_earlier_chunk_on_its_bytes(seed: int) 
         earlier = [k for k in range(index) if overlaps(found[k], place)]
         assert place.reuses == max(earlier, default=None)
         assert place.reuses is None or place.reuses <= index - 3
+
+
+def test_a_large_chunk_among_small_ones_takes_two_buffers_chunks_of_one_size_three() -> None:
+    assert buffers_for([ALIGN * 4] * 7, 3) == 3
+    assert buffers_for([ALIGN * 8, ALIGN * 8, ALIGN * 4, ALIGN], 3) == 2  # the third fits twice in the first
+    assert buffers_for([ALIGN * 8, ALIGN * 8, ALIGN * 4 + 1, ALIGN], 3) == 3  # aligned, it does not
+    assert buffers_for([ALIGN * 8, ALIGN, ALIGN], 3) == 2
+    assert buffers_for([ALIGN * 8, ALIGN], 3) == 2 and buffers_for([ALIGN], 3) == 1 and buffers_for([], 3) == 0
+    assert buffers_for([ALIGN * 8, ALIGN, ALIGN], 1) == 1
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_of_two_buffers_a_chunk_never_waits_for_the_one_before_it(seed: int) -> None:
+    generator = random.Random(seed)
+    large = generator.choice([8, 16, 64]) * ALIGN
+    sizes = [large] * generator.randrange(1, 3) + [
+        generator.randrange(1, large // 2 // ALIGN + 1) * ALIGN - generator.randrange(ALIGN) for _ in range(50)
+    ]
+    assert buffers_for(sizes, 3) == 2
+    found = places(sizes, large, 2)
+    for index, place in enumerate(found):
+        assert place.offset + place.size <= large and place.buffer in (0, 1)
+        earlier = [k for k in range(index) if overlaps(found[k], place)]
+        assert place.reuses == max(earlier, default=None)
+        assert place.reuses is None or place.reuses <= index - 2
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_largest_staging_bounds_the_buffers_of_any_chunks_streamed(seed: int) -> None:
+    """The footprint is decided before the kept chunks are: whichever of them stream, the buffers taken
+    (``buffers_for`` of them, largest first, times the largest) are no more than ``largest_staging``, which
+    some of them take."""
+    generator = random.Random(seed)
+    sizes = [
+        generator.choice([1, 2, 3, 5, 8, 20]) * ALIGN - generator.randrange(2) for _ in range(generator.randrange(1, 9))
+    ]
+    bound = largest_staging(sizes, 3)
+    taken = set()
+    for mask in range(1, 2 ** len(sizes)):
+        streamed = sorted((size for i, size in enumerate(sizes) if mask >> i & 1), reverse=True)
+        taken.add(buffers_for(streamed, 3) * streamed[0])
+    assert max(taken) == bound
 
 
 def test_a_chunk_larger_than_the_buffers_is_refused() -> None:
@@ -124,9 +167,11 @@ def test_the_streamed_step_over_uneven_chunks_matches_the_plain_step() -> None:
     ins = [after for direction, after in streams.copies[last:] if direction == PREFETCH]
     outs = [last + i for i, (direction, _) in enumerate(streams.copies[last:]) if direction == OFFLOAD]
     assert len(ins) == len(outs) == len(sizes)  # every chunk streamed: in and out once, in step order
-    expected = [None if p.reuses is None else outs[p.reuses] for p in places(sizes, max(sizes), 3)]
+    assert buffers_for(sizes, 3) == 2  # one large chunk among small ones: two buffers
+    expected = [None if p.reuses is None else outs[p.reuses] for p in places(sizes, max(sizes), 2)]
     assert [None if after is None else after.index for after in ins] == expected
-    assert expected[:3] == [None] * 3 and any(expected)
+    assert expected[:2] == [None] * 2 and any(expected)
+    assert streamed_step.footprint(offloader) >= 2 * max(sizes)
     offloader.wait()
     assert_same_training_state(reference, optimizer)
 
