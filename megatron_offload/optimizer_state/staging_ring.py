@@ -10,7 +10,9 @@ landed then); small chunks fill a buffer, so the copies in run up to two buffers
 Three buffers (one coming in, one updated, one going out) where the chunks are of one size; two where the
 largest is at least twice the third largest (``buffers_for``): from the third on, each buffer holds two chunks or
 more, so a chunk's copy in still runs while the one before it is updated, and the third buffer, mostly empty
-behind one large chunk, is not taken (under a tight cap, a GiB less at the step for a 1 GiB embedding's state).
+behind one large chunk, is not taken: under a tight cap, a GiB less at the step for a 1 GiB embedding's state. The
+step's footprint still counts three (``streamed_step.footprint``): counted as two, the last backward brought back
+that much more, and its own bound did not hold (out of memory once in four runs under a 90% cap, H100).
 ``Staging`` holds one step's buffers and starts those copies in as the chunks before them leave; it may be
 made as the optimizer's step begins, before megatron-core's work ahead of the update (``begin_staging``).
 """
@@ -27,7 +29,7 @@ from megatron_offload.optimizer_state.plan import ALIGN, Chunk, Plan, aligned
 if TYPE_CHECKING:
     from megatron_offload.optimizer_state.offloader import OptimizerStateOffloader
 
-__all__ = ["Place", "Staging", "buffers_for", "largest_staging", "places"]
+__all__ = ["Place", "Staging", "buffers_for", "places"]
 
 
 @dataclass(frozen=True)
@@ -53,14 +55,6 @@ def _buffers(ordered: Sequence[int], first: int, most: int) -> int:
     if count > 2 and 2 * aligned(ordered[first + 2]) <= ordered[first]:
         return min(2, most)
     return min(most, count)
-
-
-def largest_staging(sizes: Sequence[int], most: int) -> int:
-    """The most bytes ``Staging`` takes for any of these chunks streamed (those kept stay out of it): for each
-    size as the largest streamed, its buffers times that size, with the next two sizes below it streamed too
-    (any other chunks so streamed have a third largest no larger, so no more buffers)."""
-    ordered = sorted(sizes, reverse=True)
-    return max((_buffers(ordered, i, most) * size for i, size in enumerate(ordered)), default=0)
 
 
 def places(sizes: Sequence[int], capacity: int, buffers: int) -> list[Place]:

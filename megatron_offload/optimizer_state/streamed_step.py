@@ -26,7 +26,7 @@ from megatron_offload.optimizer_state.chunk_step import ChunkStepper
 from megatron_offload.optimizer_state.plan import Chunk
 from megatron_offload.optimizer_state.share_out import ShareOut, StepWindow
 from megatron_offload.optimizer_state.staged_params import STAGED_BUFFERS, staged_bytes
-from megatron_offload.optimizer_state.staging_ring import Staging, largest_staging
+from megatron_offload.optimizer_state.staging_ring import Staging
 
 if TYPE_CHECKING:
     from megatron_offload.optimizer_state.offloader import OptimizerStateOffloader
@@ -56,16 +56,16 @@ class Stage(Protocol):
 
 
 def footprint(offloader: OptimizerStateOffloader, staged: bool = False) -> int:
-    """Most device memory the streamed step adds beyond what is on the GPU already: the staging buffers, whichever
-    chunks stream (``largest_staging``, at least three of ``chunk_bytes``), and optimizer temporaries for one group
-    of ready chunks. ``staged``: with a stage, also its buffers (``STAGED_BUFFERS`` of the largest group's params
-    and gradients), and temporaries for a group of one chunk's size (the stage's groups are that large)."""
-    sizes = [_size(c) for c in offloader.chunks]
-    chunk_bytes = max(*sizes, offloader.chunk_bytes)
-    staging = max(largest_staging(sizes, STAGING_CHUNKS), STAGING_CHUNKS * offloader.chunk_bytes)
+    """Most device memory the streamed step adds beyond what is on the GPU already: three staging buffers (where
+    ``Staging`` takes two, the third's room is slack the last backward's bound counts on), and optimizer
+    temporaries for one group of ready chunks. ``staged``: with a stage, also its buffers (``STAGED_BUFFERS`` of
+    the largest group's params and gradients), and temporaries for a group of one chunk's size (the stage's
+    groups are that large)."""
+    largest = max((_size(c) for c in offloader.chunks), default=offloader.chunk_bytes)
+    chunk_bytes = max(largest, offloader.chunk_bytes)
     if not staged:
-        return staging + max(READY_GROUP_BYTES, offloader.chunk_bytes) // 2
-    return staging + chunk_bytes // 2 + staged_footprint(offloader)
+        return STAGING_CHUNKS * chunk_bytes + max(READY_GROUP_BYTES, offloader.chunk_bytes) // 2
+    return STAGING_CHUNKS * chunk_bytes + chunk_bytes // 2 + staged_footprint(offloader)
 
 
 def staged_footprint(offloader: OptimizerStateOffloader) -> int:

@@ -3,7 +3,7 @@
 What it proves: chunks of one size take turns through the three buffers as before (each reuses the one three
 before it); uneven chunks follow one another through the buffers, so that after one large chunk the copies in
 of the small ones need not wait for its copy out; a large chunk among small ones takes two buffers, not three,
-and the step's footprint bounds the buffers of any chunks streamed; every place lies inside its buffer, aligned;
+while the step's footprint still counts three; every place lies inside its buffer, aligned;
 a chunk waits for the latest earlier chunk whose bytes it overlaps, never for one the host has not queued out yet
 when it queues this copy in (of three buffers the two before it, of two the one before it); and the streamed
 step so placed matches the optimizer's own step bit for bit, its copies in waiting for exactly those copies out.
@@ -20,7 +20,7 @@ from megatron_offload.core.streams import OFFLOAD, PREFETCH, HostStreams
 from megatron_offload.optimizer_state import streamed_step
 from megatron_offload.optimizer_state.chunk_step import ChunkStepper
 from megatron_offload.optimizer_state.plan import ALIGN
-from megatron_offload.optimizer_state.staging_ring import buffers_for, largest_staging, places
+from megatron_offload.optimizer_state.staging_ring import buffers_for, places
 from tests.optimizer_state.cpu_engine import (
     adam_with_masters,
     assert_same_training_state,
@@ -85,23 +85,6 @@ def test_of_two_buffers_a_chunk_never_waits_for_the_one_before_it(seed: int) -> 
         earlier = [k for k in range(index) if overlaps(found[k], place)]
         assert place.reuses == max(earlier, default=None)
         assert place.reuses is None or place.reuses <= index - 2
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_the_largest_staging_bounds_the_buffers_of_any_chunks_streamed(seed: int) -> None:
-    """The footprint is decided before the kept chunks are: whichever of them stream, the buffers taken
-    (``buffers_for`` of them, largest first, times the largest) are no more than ``largest_staging``, which
-    some of them take."""
-    generator = random.Random(seed)
-    sizes = [
-        generator.choice([1, 2, 3, 5, 8, 20]) * ALIGN - generator.randrange(2) for _ in range(generator.randrange(1, 9))
-    ]
-    bound = largest_staging(sizes, 3)
-    taken = set()
-    for mask in range(1, 2 ** len(sizes)):
-        streamed = sorted((size for i, size in enumerate(sizes) if mask >> i & 1), reverse=True)
-        taken.add(buffers_for(streamed, 3) * streamed[0])
-    assert max(taken) == bound
 
 
 def test_a_chunk_larger_than_the_buffers_is_refused() -> None:
@@ -171,7 +154,7 @@ def test_the_streamed_step_over_uneven_chunks_matches_the_plain_step() -> None:
     expected = [None if p.reuses is None else outs[p.reuses] for p in places(sizes, max(sizes), 2)]
     assert [None if after is None else after.index for after in ins] == expected
     assert expected[:2] == [None] * 2 and any(expected)
-    assert streamed_step.footprint(offloader) >= 2 * max(sizes)
+    assert streamed_step.footprint(offloader) >= 3 * max(sizes)  # the bound the last backward counts on
     offloader.wait()
     assert_same_training_state(reference, optimizer)
 
