@@ -46,15 +46,9 @@ class Place:
 def buffers_for(sizes: Sequence[int], most: int) -> int:
     """How many staging buffers chunks of ``sizes`` (largest first) stream through (see above): at most ``most``,
     two where the largest holds two of the third largest, aligned; never more than there are chunks."""
-    return _buffers(sizes, 0, most)
-
-
-def _buffers(ordered: Sequence[int], first: int, most: int) -> int:
-    """``buffers_for(ordered[first:], most)``, without the copy."""
-    count = len(ordered) - first
-    if count > 2 and 2 * aligned(ordered[first + 2]) <= ordered[first]:
+    if len(sizes) > 2 and 2 * aligned(sizes[2]) <= sizes[0]:
         return min(2, most)
-    return min(most, count)
+    return min(most, len(sizes))
 
 
 def places(sizes: Sequence[int], capacity: int, buffers: int) -> list[Place]:
