@@ -10,9 +10,8 @@ landed then); small chunks fill a buffer, so the copies in run up to two buffers
 Three buffers (one coming in, one updated, one going out) where the chunks are of one size; two where the
 largest is at least twice the third largest (``buffers_for``): from the third on, each buffer holds two chunks or
 more, so a chunk's copy in still runs while the one before it is updated, and the third buffer, mostly empty
-behind one large chunk, is not taken: under a tight cap, a GiB less at the step for a 1 GiB embedding's state. The
-step's footprint still counts three (``streamed_step.footprint``): counted as two, the last backward brought back
-that much more, and its own bound did not hold (out of memory once in four runs under a 90% cap, H100).
+behind one large chunk, is not taken: under a tight cap, a GiB less at the step for a 1 GiB embedding's state
+(the step's footprint still counts three: ``streamed_step.footprint`` says why).
 ``Staging`` holds one step's buffers and starts those copies in as the chunks before them leave; it may be
 made as the optimizer's step begins, before megatron-core's work ahead of the update (``begin_staging``).
 """
