@@ -122,8 +122,7 @@ class RoomForForward:
         pending = self.handle.pending_offload_bytes()
         if not self.profile or (self.calls < self.next_read and not pending):
             return  # nothing leaving: a reading every few hooks is enough to see a forward grow
-        scheduler = self.handle.scheduler
-        headroom = scheduler.limit() - scheduler.caching_gap - scheduler.margin()
+        headroom = self.handle.scheduler.headroom()
         index = min(self.calls, len(self.profile)) - 1
         allocated = allocated_bytes()
         grown = allocated - pending + self.profile[-1] - self.profile[index] - headroom

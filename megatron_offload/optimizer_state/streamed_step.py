@@ -57,10 +57,10 @@ class Stage(Protocol):
 
 def footprint(offloader: OptimizerStateOffloader, staged: bool = False) -> int:
     """Most device memory the streamed step adds beyond what is on the GPU already: three staging buffers (where
-    ``Staging`` takes two, the last backward's bound counts on the third's room: counted as two, that backward
-    brought a GiB more back and ran out of memory under a 90% cap once in four runs), and optimizer temporaries
-    for one group of ready chunks. ``staged``: with a stage, also its buffers (``STAGED_BUFFERS`` of the largest
-    group's params and gradients), and temporaries for a group of one chunk's size (its groups are that large)."""
+    ``Staging`` takes two, the third's room is slack the allocator uses near the limit: counted as two, the last
+    backward brought a GiB more back, the allocator retried more often and one run in seven ran out of memory
+    under a 90% cap), and optimizer temporaries for one group of ready chunks. ``staged``: also the stage's buffers
+    (``STAGED_BUFFERS`` of the largest group's params and gradients) and temporaries for a group of one chunk."""
     largest = max((_size(c) for c in offloader.chunks), default=offloader.chunk_bytes)
     chunk_bytes = max(largest, offloader.chunk_bytes)
     if not staged:

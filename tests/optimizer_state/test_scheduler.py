@@ -135,6 +135,20 @@ def test_backward_room_leaves_the_margin_and_the_allocator_cache() -> None:
     assert ledger.backward_room(allocated=10 * GIB) == 26 * GIB - ledger.margin() - GIB - 10 * GIB
 
 
+def test_the_headroom_follows_each_steps_limit_and_the_natural_peak_as_learned() -> None:
+    """Worked out once a step for the hooks, yet never stale: a new limit at the next step's start, a natural
+    peak that grew at a step's end."""
+    limits = iter([26 * GIB, 22 * GIB])
+    ledger = StateScheduler(lambda: next(limits))
+    ledger.start_step()
+    ledger.observe_step_end(Peaks(19 * GIB, 20 * GIB), resident=0)
+    assert ledger.headroom() == 26 * GIB - ledger.margin() - GIB
+    assert ledger.observe_step_end(Peaks(19 * GIB, 21 * GIB), resident=0)  # the gap grew to 2 GiB
+    assert ledger.headroom() == 26 * GIB - ledger.margin() - 2 * GIB
+    ledger.start_step()  # another process took 4 GiB
+    assert ledger.headroom() == 22 * GIB - ledger.margin() - 2 * GIB == ledger.backward_room(0)
+
+
 def test_a_small_limit_still_keeps_the_least_margin() -> None:
     ledger = scheduler(4)
     assert ledger.margin() == MIN_MARGIN_BYTES
