@@ -73,7 +73,6 @@ class StateScheduler:
     def __init__(self, limit: Callable[[], int]) -> None:
         self._limit = limit  # read once per step (other processes may take memory meanwhile): see limit()
         self._limit_now: int | None = None
-        self._headroom: int | None = None  # headroom(), for this step's limit and the natural peak as learned
         self.natural: Peaks | None = None  # None until iteration 1's step has ended
         self._last_peaks: Peaks | None = None  # the process's peaks when the latest step ended
         self.grown = 0  # bytes the natural peak grew by after iteration 1
@@ -83,7 +82,6 @@ class StateScheduler:
     def start_step(self) -> None:
         """At each step's start: read the limit for this iteration."""
         self._limit_now = self._limit()
-        self._headroom = None
 
     def observe_step_end(self, peaks: Peaks, resident: int) -> bool:
         """After each step. Iteration 1 ran with all state offloaded: its peaks are the natural peak.
@@ -91,7 +89,7 @@ class StateScheduler:
         subtracted in full, which can only make the estimate smaller. True when the natural peak grew."""
         last, self._last_peaks = self._last_peaks, peaks
         if self.natural is None:
-            self.natural, self._headroom = peaks, None
+            self.natural = peaks
             return False
         if last is not None and peaks.allocated <= last.allocated and peaks.reserved <= last.reserved:
             return False  # no new process-wide peak: nothing new to learn
@@ -101,7 +99,6 @@ class StateScheduler:
             return False
         self.grown += reserved - self.natural.reserved
         self.natural = Peaks(allocated, reserved)
-        self._headroom = None
         return True
 
     # ----------------------------------------------------------------------------- decisions
@@ -154,14 +151,9 @@ class StateScheduler:
 
     def headroom(self) -> int:
         """Allocated bytes that keep the reserved total under the limit less the margin: the limit less the
-        margin and the caching gap. Read at every hook, so worked out once per step (the limit is read as a
-        step starts, the natural peak learned as it ends); before a step, from the limit as it is now."""
-        if self._limit_now is None:
-            limit = self.limit()
-            return limit - self.margin(limit) - self.caching_gap
-        if self._headroom is None:
-            self._headroom = self._limit_now - self.margin(self._limit_now) - self.caching_gap
-        return self._headroom
+        margin and the caching gap (the forward's and the backward's hooks both go by it)."""
+        limit = self.limit()
+        return limit - self.margin(limit) - self.caching_gap
 
     def backward_room(self, allocated: int) -> int:
         """Bytes that may come back now during backward without the reserved total passing the limit

@@ -136,8 +136,8 @@ def test_backward_room_leaves_the_margin_and_the_allocator_cache() -> None:
 
 
 def test_the_headroom_follows_each_steps_limit_and_the_natural_peak_as_learned() -> None:
-    """Worked out once a step for the hooks, yet never stale: a new limit at the next step's start, a natural
-    peak that grew at a step's end."""
+    """What the hooks may fill: a new limit read at the next step's start, a natural peak that grew at a step's
+    end."""
     limits = iter([26 * GIB, 22 * GIB])
     ledger = StateScheduler(lambda: next(limits))
     ledger.start_step()
