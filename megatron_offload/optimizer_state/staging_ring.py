@@ -43,11 +43,12 @@ class Place:
 
 
 def buffers_for(sizes: Sequence[int], most: int) -> int:
-    """How many staging buffers chunks of ``sizes`` (largest first) stream through (see above): at most ``most``,
+    """How many staging buffers chunks of ``sizes`` (in any order) stream through (see above): at most ``most``,
     two where the largest holds two of the third largest, aligned; never more than there are chunks."""
-    if len(sizes) > 2 and 2 * aligned(sizes[2]) <= sizes[0]:
+    ordered = sorted(sizes, reverse=True)
+    if len(ordered) > 2 and 2 * aligned(ordered[2]) <= ordered[0]:
         return min(2, most)
-    return min(most, len(sizes))
+    return min(most, len(ordered))
 
 
 def places(sizes: Sequence[int], capacity: int, buffers: int) -> list[Place]:

@@ -69,6 +69,9 @@ def test_a_large_chunk_among_small_ones_takes_two_buffers_chunks_of_one_size_thr
     assert buffers_for([ALIGN * 8, ALIGN, ALIGN], 3) == 2
     assert buffers_for([ALIGN * 8, ALIGN], 3) == 2 and buffers_for([ALIGN], 3) == 1 and buffers_for([], 3) == 0
     assert buffers_for([ALIGN * 8, ALIGN, ALIGN], 1) == 1
+    # Sizes come in update order: the largest and the third largest are found wherever they stand.
+    assert buffers_for([ALIGN * 4, ALIGN, ALIGN * 8, ALIGN * 8], 3) == 2
+    assert buffers_for([ALIGN * 8, ALIGN * 8, ALIGN * 2, ALIGN * 8], 3) == 3
 
 
 @pytest.mark.parametrize("seed", range(30))
