@@ -2,28 +2,52 @@
 more off the GPU, from the flags it ran with (Megatron's parsed arguments), instead of a bare CUDA
 out-of-memory traceback. Where the whole optimizer state was in host memory already (the smallest
 footprint did not fit), the line says what training needs without it, as measured, against the limit; where
-the offloaders kept some of it on the GPU, it names the smallest footprint (``--offload-prefetch step``) first."""
+the offloaders kept some of it on the GPU, it names the smallest footprint (``--offload-prefetch step``) first.
+It also says where in the iteration memory ran out (a forward, a backward or the optimizer's step, and whether
+in this project's hooks that move optimizer state), from the frames the error passed through."""
 
 from __future__ import annotations
 
 import argparse
 import re
+import traceback
 
 from megatron_offload.config.long_context_flags import SDPA_SPEC, uses_sdpa_spec
 from megatron_offload.config.refusals import on, over_one
 
-__all__ = ["asked_bytes", "line_for", "out_of_memory_line", "what_to_add"]
+__all__ = ["asked_bytes", "line_for", "out_of_memory_line", "raised_in", "what_to_add"]
 
 LONG = 8192  # tokens per micro-batch from which attention scores, layer inputs and logits dominate
 
 _ASKED = re.compile(r"Tried to allocate ([\d.]+) ([KMGT]?)i?B")
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+# Frames that tell where an error was raised, the innermost phase first: OffloadHandle's wrapper of the
+# optimizer's step, torch.autograd's entry into its engine (a hook's or a kernel's error in backward keeps
+# the frames it was raised in), torch.nn.Module's call.
+_PHASES = (
+    ("step_with_offload", "the optimizer step"),
+    ("_engine_run_backward", "a backward"),
+    ("_call_impl", "a forward"),
+)
+# This project's hooks that move optimizer state (backward_prefetch, pacing).
+_HOOKS = (("on_grad_ready", "while optimizer state came back"), ("before_forward", "while optimizer state left"))
 
 
 def asked_bytes(error: BaseException) -> int:
     """The bytes the failed allocation asked for, as CUDA's message gives them (0 where it does not)."""
     asked = _ASKED.search(str(error))
     return int(float(asked.group(1)) * _UNITS[asked.group(2)]) if asked else 0
+
+
+def raised_in(error: BaseException, iteration: int | None = None) -> str:
+    """Where ``error`` was raised, as in "in a backward of iteration 3, while optimizer state came back"
+    (``iteration``: Megatron's, counted from 1), or "" where no frame tells."""
+    names = {frame.name for frame in traceback.extract_tb(error.__traceback__)}
+    phase = next((text for name, text in _PHASES if name in names), None)
+    if phase is None:
+        return ""
+    hook = next((text for name, text in _HOOKS if name in names), None)
+    return f"in {phase}" + (f" of iteration {iteration}" if iteration else "") + (f", {hook}" if hook else "")
 
 
 def what_to_add(args: argparse.Namespace, kept_gib: float = 0.0) -> list[str]:
@@ -66,6 +90,10 @@ def out_of_memory_line(
     cap = getattr(args, "offload_gpu_memory_cap_gib", None) if args is not None else None
     held = f"{peak_reserved / gib:.2f} GiB reserved at the peak"
     where = f"under --offload-gpu-memory-cap-gib {cap:g}" if cap else "on this GPU"
+    # Megatron-LM's loop sets curr_iteration to the iterations done before each train_step.
+    done = getattr(args, "curr_iteration", None) if args is not None else None
+    phase = raised_in(error, done + 1 if isinstance(done, int) else None)
+    where += f", {phase}" if phase else ""
     asked_text = f"{asked.group(1)} {asked.group(2)}iB" if asked else "more"
     line = f"megatron-offload: out of GPU memory {where}: " + (state_note or f"asked for {asked_text} with {held}")
     advice = what_to_add(args, kept_bytes / gib) if args is not None else []

@@ -1,5 +1,5 @@
-"""A run out of GPU memory ends in one line: what it asked for, what it held, the cap, and the flags that would
-move more off the GPU, from the flags it ran with."""
+"""A run out of GPU memory ends in one line: what it asked for, what it held, the cap, where in the iteration,
+and the flags that would move more off the GPU, from the flags it ran with."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import subprocess
 import sys
 import textwrap
 
-from megatron_offload.megatron.out_of_memory import out_of_memory_line, what_to_add
+import torch
+
+from megatron_offload.megatron.out_of_memory import out_of_memory_line, raised_in, what_to_add
 
 GIB = 1 << 30
 ERROR = "CUDA out of memory. Tried to allocate 192.00 GiB. GPU 0 has a total capacity of 139.80 GiB"
@@ -122,3 +124,69 @@ def test_the_smallest_footprint_out_of_memory_says_what_training_needs_without_t
     )
     offloader.keep_bytes(offloader.plan.full_bytes())  # state kept on the GPU: keeping less would help
     assert handle.smallest_footprint_note(int(15.5 * GIB), GIB) is None
+
+
+class PumpRunsOutOfMemory:
+    """A handle whose copies run out of memory as soon as a hook of the real pacing classes pumps them."""
+
+    def pump(self) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 224.00 MiB.")
+
+
+def raised(run) -> BaseException:
+    try:
+        run()
+    except torch.OutOfMemoryError as error:
+        return error
+    raise AssertionError("no out-of-memory error")
+
+
+def test_the_line_says_where_in_the_iteration_memory_ran_out() -> None:
+    """Where in an iteration, from the frames the error passed through: a forward or a backward, and whether in
+    the hooks that move optimizer state (the real ones, on a CPU model), or the optimizer's step (the real
+    OffloadHandle wrapper); nothing where no frame tells."""
+    from megatron_offload.config.options import OffloadConfig
+    from megatron_offload.megatron.backward_prefetch import PrefetchDuringBackward
+    from megatron_offload.megatron.offload_handle import OffloadHandle
+    from megatron_offload.megatron.pacing import RoomForForward
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    inputs = torch.randn(2, 4)
+    leaving = RoomForForward(PumpRunsOutOfMemory(), [model])
+    leaving.on_gpu = True
+    error = raised(lambda: model(inputs))
+    assert raised_in(error, iteration=3) == "in a forward of iteration 3, while optimizer state left"
+    leaving.remove()
+    loss = model(inputs).sum()
+    coming = PrefetchDuringBackward(PumpRunsOutOfMemory(), [model], lambda: True)
+    coming.on_gpu = True
+    assert raised_in(raised(loss.backward)) == "in a backward, while optimizer state came back"
+    coming.remove()
+
+    class Kernel(torch.autograd.Function):  # a backward kernel's allocation
+        @staticmethod
+        def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+            return 2 * x
+
+        @staticmethod
+        def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 224.00 MiB.")
+
+    loss = Kernel.apply(model(inputs)).sum()
+    assert raised_in(raised(loss.backward)) == "in a backward"
+
+    def adam() -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB.")
+
+    handle = OffloadHandle(object(), OffloadConfig())
+    handle.on_cuda = False  # the wrapper's frames are what counts here, not its work on a GPU
+    step = handle._step_wrapper(adam)
+    error = raised(step)
+    assert raised_in(error, iteration=7) == "in the optimizer step of iteration 7"
+    args = megatron(offload_optimizer_states=True, offload_gpu_memory_cap_gib=17.295, curr_iteration=6)
+    line = out_of_memory_line(error, args, int(17.27 * GIB), GIB)
+    assert line.startswith(
+        "megatron-offload: out of GPU memory under --offload-gpu-memory-cap-gib 17.295, in the optimizer step of "
+        "iteration 7: asked for 1.00 GiB with 17.27 GiB reserved at the peak. To move more off the GPU, add: "
+    )
+    assert raised_in(raised(lambda: adam())) == ""  # outside a forward, a backward and the step
