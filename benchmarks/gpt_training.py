@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -48,26 +47,21 @@ class GPTShape:
     """Input embedding and output layer share their weights (configs/gpt_0p9b.yaml unties them)."""
 
 
-def _free_port() -> int:
-    """Ask the OS for an unused TCP port so single-process runs never collide."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def init_distributed(tensor_parallel: int = 1) -> None:
     """Init torch.distributed (NCCL) and megatron's parallel_state; safe to call twice.
 
     Under torchrun the env:// variables are used; without them this process becomes a 1-rank
-    world on a free localhost port. Pipeline parallel stays 1 (one model chunk).
+    world with an in-process store. Pipeline parallel stays 1 (one model chunk).
     """
     if not torch.distributed.is_initialized():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             torch.distributed.init_process_group(backend="nccl")
         else:
-            url = f"tcp://127.0.0.1:{_free_port()}"
-            torch.distributed.init_process_group(backend="nccl", init_method=url, rank=0, world_size=1)
+            # A world of one needs no rendezvous: an in-process store, not a TCP port that another process
+            # can take between asking the OS for it and listening on it.
+            store = torch.distributed.HashStore()
+            torch.distributed.init_process_group(backend="nccl", store=store, rank=0, world_size=1)
     if parallel_state.model_parallel_is_initialized():
         if parallel_state.get_tensor_model_parallel_world_size() == tensor_parallel:
             return

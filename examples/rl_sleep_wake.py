@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -126,10 +125,8 @@ def init_distributed() -> None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         torch.distributed.init_process_group("nccl")
     else:
-        with socket.socket() as probe:  # a free port, so that two runs on one machine do not collide
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        # A world of one: an in-process store, so no TCP port that two runs on one machine could both want.
+        torch.distributed.init_process_group("nccl", store=torch.distributed.HashStore(), rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
 
 
