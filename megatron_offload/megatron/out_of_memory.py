@@ -27,6 +27,7 @@ _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _PHASES = (
     ("step_with_offload", "the optimizer step"),
     ("_engine_run_backward", "a backward"),
+    ("custom_backward", "a backward"),  # megatron-core's schedules call autograd's engine directly
     ("_call_impl", "a forward"),
 )
 # This project's hooks that move optimizer state (backward_prefetch, pacing).

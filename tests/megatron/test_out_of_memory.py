@@ -145,6 +145,8 @@ def test_the_line_says_where_in_the_iteration_memory_ran_out() -> None:
     """Where in an iteration, from the frames the error passed through: a forward or a backward, and whether in
     the hooks that move optimizer state (the real ones, on a CPU model), or the optimizer's step (the real
     OffloadHandle wrapper); nothing where no frame tells."""
+    from megatron.core.pipeline_parallel.schedules import custom_backward
+
     from megatron_offload.config.options import OffloadConfig
     from megatron_offload.megatron.backward_prefetch import PrefetchDuringBackward
     from megatron_offload.megatron.offload_handle import OffloadHandle
@@ -174,6 +176,8 @@ def test_the_line_says_where_in_the_iteration_memory_ran_out() -> None:
 
     loss = Kernel.apply(model(inputs)).sum()
     assert raised_in(raised(loss.backward)) == "in a backward"
+    loss = Kernel.apply(model(inputs)).sum()  # as Megatron's schedules run it: autograd's engine called directly
+    assert raised_in(raised(lambda: custom_backward(loss, None)), iteration=20) == "in a backward of iteration 20"
 
     def adam() -> None:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB.")
