@@ -11,7 +11,6 @@ what Megatron-LM precomputes with the same function).
 
 from __future__ import annotations
 
-import os
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -34,6 +33,8 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 from packaging.version import Version
 
+from benchmarks.gpt_training import init_distributed  # the one-process world, one copy
+
 MCORE_VERSION = Version(megatron.core.__version__)  # for tests that need to tell versions apart
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -51,36 +52,6 @@ class GPTShape:
     seq_length: int = 128
     micro_batch_size: int = 2
     num_micro_batches: int = 2
-
-
-def init_distributed(tensor_parallel: int = 1) -> None:
-    """Init torch.distributed (NCCL) and megatron's parallel_state; safe to call twice.
-
-    Under torchrun the env:// variables are used; without them this process becomes a 1-rank
-    world with an in-process store. Pipeline parallel stays 1 (one model chunk).
-    """
-    if not torch.distributed.is_initialized():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            torch.distributed.init_process_group(backend="nccl")
-        else:
-            # A world of one needs no rendezvous: an in-process store, not a TCP port that another process
-            # can take between asking the OS for it and listening on it.
-            store = torch.distributed.HashStore()
-            torch.distributed.init_process_group(backend="nccl", store=store, rank=0, world_size=1)
-    if parallel_state.model_parallel_is_initialized():
-        if parallel_state.get_tensor_model_parallel_world_size() == tensor_parallel:
-            return
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
-
-
-def destroy_distributed() -> None:
-    """Tear down parallel_state and the process group (so a later init starts clean)."""
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 def _microbatches(shape: GPTShape, iteration: int) -> list[Batch]:

@@ -317,9 +317,10 @@ def api_main(out_json: Path, cases: list[str]) -> int:
     import megatron.core
     import torch
 
+    from benchmarks.gpt_training import destroy_distributed, init_distributed
     from tests.gpu import harness
 
-    harness.init_distributed()
+    init_distributed()
     found = {name: item for name, item in slab_cases().items() if name in cases}
     if {"pin-refused-at-attach", "allocation-refused-at-attach"} & set(cases):
         shape = harness.GPTShape(
@@ -339,7 +340,7 @@ def api_main(out_json: Path, cases: list[str]) -> int:
     out_json.write_text(json.dumps(results, indent=1))
     for name, item in results["cases"].items():
         print(f"{name}: {'ok' if item['passed'] else 'FAIL: ' + '; '.join(item['failures'])}", flush=True)
-    harness.destroy_distributed()
+    destroy_distributed()
     return 0
 
 
