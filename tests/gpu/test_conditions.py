@@ -18,6 +18,9 @@ if not torch.cuda.is_available():
 pytest.importorskip("megatron.core", reason="needs megatron-core installed (scripts/device_check.sh does it)")
 
 ROOT = Path(__file__).resolve().parents[2]
+# A launcher's rendezvous (torchrun's, or exported by hand): the child would listen on MASTER_PORT where the test
+# process's own group may listen already. Without them the child makes a world of one with no port.
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def run_conditions(mode: str, **env: str) -> dict:
@@ -26,7 +29,11 @@ def run_conditions(mode: str, **env: str) -> dict:
         cwd=ROOT,
         # The allocator's defaults, as for a user of the library API (no launcher of ours set them).
         env={
-            **{k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")},
+            **{
+                k: v
+                for k, v in os.environ.items()
+                if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", *LAUNCHER_VARIABLES)
+            },
             **env,
         },
         capture_output=True,
