@@ -9,7 +9,7 @@ Adam's first step, whose moments go at the end of the slab).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -201,9 +201,9 @@ def cut(optimizer: torch.optim.Optimizer, found: list, chunk_bytes: int) -> list
     return cuts
 
 
-def lay_out(cuts: list[Cut], slab: torch.Tensor, key: tuple, kept_from: int) -> Plan:
-    """The chunks over ``slab``: chunk i's tensors at consecutive aligned offsets; chunks from index
-    ``kept_from`` on are kept on the GPU. Tensors start outside any block (``in_block`` False): their
+def lay_out(cuts: list[Cut], slab: torch.Tensor, key: tuple, kept: Collection[int]) -> Plan:
+    """The chunks over ``slab``: chunk i's tensors at consecutive aligned offsets; the chunks whose
+    index is in ``kept`` are kept on the GPU. Tensors start outside any block (``in_block`` False): their
     values exist only where they are until the first offload copies them."""
     chunks, start = [], 0
     for index, piece in enumerate(cuts):
@@ -215,7 +215,7 @@ def lay_out(cuts: list[Cut], slab: torch.Tensor, key: tuple, kept_from: int) -> 
                 offset += aligned(nbytes_of(tensor))
         params = [param for param, _, _ in piece if param is not None]
         expected = sum(e for _, _, e in piece)
-        chunks.append(Chunk(index, entries, params, offset, expected, kept=index >= kept_from, touched=True))
+        chunks.append(Chunk(index, entries, params, offset, expected, kept=index in kept, touched=True))
         start += offset
     return Plan(
         chunks=chunks,

@@ -17,20 +17,11 @@ from megatron_offload.core.stats import OffloadStats
 from megatron_offload.core.units import GIB
 from megatron_offload.optimizer_state import plan as planning
 from megatron_offload.optimizer_state.plan import Chunk, Plan
+from megatron_offload.optimizer_state.scheduler import kept_chunks
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PlannedState", "kept_from_bytes"]
-
-
-def kept_from_bytes(sizes: list[int], kept_bytes: int) -> int:
-    """Index of the first chunk kept on the GPU, given each chunk's full size: the longest run of whole
-    chunks at the back whose sizes add up to no more than ``kept_bytes`` (rounded down, never over)."""
-    index, kept = len(sizes), 0
-    while index and kept + sizes[index - 1] <= kept_bytes:
-        index -= 1
-        kept += sizes[index]
-    return index
+__all__ = ["PlannedState"]
 
 
 class PlannedState:
@@ -111,7 +102,7 @@ class PlannedState:
         cuts = planning.cut(self.optimizer, found, self.chunk_bytes)
         self._make_room(sum(expected for piece in cuts for _, _, expected in piece))
         sizes = [sum(expected for _, _, expected in piece) for piece in cuts]
-        self.plan = planning.lay_out(cuts, self.host_slab.tensor, key, self._first_kept(sizes))
+        self.plan = planning.lay_out(cuts, self.host_slab.tensor, key, self._kept(sizes))
         self.count_plan()
         self.stats.pinned = self.host_slab.pinned or not self.chunks
         if found:
@@ -136,7 +127,7 @@ class PlannedState:
             self.refresh(bring_back)
 
     def set_fraction(self, fraction: float) -> None:
-        """Offload at least this share of the state from now on: whole chunks at the back stay, within
+        """Offload at least this share of the state from now on: whole chunks from the back stay, within
         the rest (rounded down); chunks no longer kept leave at the next ``offload()``, newly kept ones
         come back through the next step and stay."""
         self.fraction, self.kept_goal = fraction, None
@@ -144,14 +135,14 @@ class PlannedState:
 
     def keep_bytes(self, nbytes: int) -> int:
         """Keep at most ``nbytes`` of the state on the GPU from now on, in this plan and later ones: the
-        longest run of whole chunks at the back that fits (``kept_from_bytes``); moves as
+        whole chunks from the back that fit (``scheduler.kept_chunks``); moves as
         ``set_fraction`` does. Returns the bytes kept, counting the moments Adam's first step will add."""
         self.kept_goal = nbytes
         self._mark_kept()
         return self.kept_bytes
 
     def let_go(self, nbytes: int) -> list[Chunk]:
-        """Keep ``nbytes`` less on the GPU: kept chunks from the front of the kept run are no longer kept
+        """Keep ``nbytes`` less on the GPU: the frontmost kept chunks are no longer kept
         until that many are let go, and what stays kept is the goal from now on, in later plans too.
         Returns the chunks let go (the offloader sends those on the GPU out)."""
         released, gone = 0, []
@@ -170,17 +161,17 @@ class PlannedState:
         """Each chunk's size once Adam's first step has added the moments, in step order."""
         return [max(c.nbytes, c.expected) for c in self.chunks]
 
-    def _first_kept(self, sizes: list[int]) -> int:
-        """Index of the first kept chunk: by the bytes decided last, else by the fraction, in bytes."""
+    def _kept(self, sizes: list[int]) -> set[int]:
+        """The kept chunks' indices: by the bytes decided last, else by the fraction, in bytes."""
         goal = self.kept_goal
         if goal is None:
             goal = int((1.0 - self.fraction) * sum(sizes))
-        return kept_from_bytes(sizes, goal)
+        return kept_chunks(sizes, goal)
 
     def _mark_kept(self) -> None:
-        first_kept = self._first_kept(self.full_sizes())
+        kept = self._kept(self.full_sizes())
         for chunk in self.chunks:
-            chunk.kept = chunk.index >= first_kept
+            chunk.kept = chunk.index in kept
         self.count_plan()
 
     def _make_room(self, host_bytes: int) -> None:

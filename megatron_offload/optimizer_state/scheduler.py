@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from megatron_offload.core.gpu_memory import gpu_only
 from megatron_offload.core.units import GIB, MIB
 
-__all__ = ["Peaks", "StateScheduler", "whole_chunks"]
+__all__ = ["Peaks", "StateScheduler", "kept_chunks", "kept_within", "whole_chunks"]
 
 MARGIN_SHARE = 0.03  # of the limit, kept free for what no reading sees (allocator rounding, spikes)
 MIN_MARGIN_BYTES = 128 * MIB
@@ -38,32 +38,39 @@ class Peaks:
     reserved: int
 
 
-def suffix_within(sizes: Sequence[int], budget: int) -> int:
-    """Bytes of the longest run of whole chunks at the back of ``sizes`` that fits in ``budget``."""
-    kept = 0
-    for size in reversed(sizes):
-        if kept + size > budget:
-            break
-        kept += size
+def kept_within(sizes: Sequence[int], budget: int) -> int:
+    """Bytes of the whole chunks ``kept_chunks`` keeps of ``sizes`` within ``budget``."""
+    return sum(sizes[index] for index in kept_chunks(sizes, budget))
+
+
+def kept_chunks(sizes: Sequence[int], budget: int) -> set[int]:
+    """Which whole chunks stay within ``budget``: from the back of the step order, each that fits in what
+    is left, passing over one that does not (a 1 GiB embedding's state at the back would otherwise keep the
+    smaller chunks before it off the GPU too). Kept within their own total, the same chunks again."""
+    kept, left = set(), budget
+    for index in range(len(sizes) - 1, -1, -1):
+        if sizes[index] <= left:
+            kept.add(index)
+            left -= sizes[index]
     return kept
 
 
 def whole_chunks(budget: int, sizes: Sequence[Sequence[int]], ceilings: Sequence[int] | None = None) -> list[int]:
     """Split ``budget`` over offloaders (``sizes``: each one's chunk sizes in step order) into whole
-    chunks at the back of each: a share in proportion to its state, rounded down, then what rounding
-    left over to whichever can take a whole chunk more. Never more than ``budget`` in total, nor than
+    chunks from the back of each (``kept_chunks``): a share in proportion to its state, rounded down, then
+    what rounding left over to whichever can take a whole chunk more. Never more than ``budget`` in total, nor than
     an offloader's ceiling (what it kept before: decisions only go down)."""
     totals = [sum(s) for s in sizes]
     state = sum(totals)
     budget = max(0, min(budget, state))
     ceilings = list(ceilings) if ceilings is not None else totals
     shares = [
-        suffix_within(s, min(ceiling, budget * total // state if state else 0))
+        kept_within(s, min(ceiling, budget * total // state if state else 0))
         for s, total, ceiling in zip(sizes, totals, ceilings, strict=True)
     ]
     for index, (s, ceiling) in enumerate(zip(sizes, ceilings, strict=True)):
         left = budget - sum(shares)
-        shares[index] = suffix_within(s, min(ceiling, shares[index] + left))
+        shares[index] = kept_within(s, min(ceiling, shares[index] + left))
     return shares
 
 

@@ -14,7 +14,7 @@ from megatron_offload.megatron import offload_handle, pacing
 from megatron_offload.megatron.kept_decision import LEARNING_STEPS
 from megatron_offload.megatron.optimizer_adapter import OffloadFitError, OffloadHandle
 from megatron_offload.megatron.pacing import RoomForForward
-from megatron_offload.optimizer_state.scheduler import StateScheduler
+from megatron_offload.optimizer_state.scheduler import StateScheduler, kept_chunks
 
 LIMIT = 10 * GIB
 
@@ -80,8 +80,9 @@ def test_the_default_keeps_whole_chunks_within_the_room(monkeypatch: pytest.Monk
         assert handle.kept_bytes() == sum(decided) <= min(room, state)  # rounded down, never over
         biggest = max(size for offloader in offloaders for size in offloader.full_sizes())
         assert min(room, state) - sum(decided) < len(offloaders) * biggest
-        for flags in kept_flags(offloaders):
-            assert flags == sorted(flags)  # whole chunks at the back
+        for offloader, flags, share in zip(offloaders, kept_flags(offloaders), decided, strict=True):
+            # Whole chunks from the back: each one passed over is larger than what its share had left.
+            assert {i for i, kept in enumerate(flags) if kept} == kept_chunks(offloader.full_sizes(), share)
     assert handle.kept_bytes() == state  # with room to spare, everything stays: nothing moves
     assert handle_lines[-1].startswith("megatron-offload: keeps ")
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_offload import OptimizerStateOffloader
-from megatron_offload.optimizer_state.planned_state import kept_from_bytes
+from megatron_offload.optimizer_state.scheduler import kept_chunks
 
 LAYOUTS = [  # (parameter sizes, chunk bytes)
     ((37, 1000, 5, 300, 64, 700, 1), 2000),
@@ -52,10 +52,12 @@ def test_keeping_bytes_never_keeps_more_than_asked(sizes, chunk_bytes: int, step
         flags = kept_flags(offloader)
         assert kept == offloader.kept_bytes == offloader.plan.kept_bytes()
         assert kept <= asked  # rounded down: never over what was decided
-        assert flags == sorted(flags)  # a run of whole chunks at the back
-        first = flags.index(True) if True in flags else len(flags)
-        assert first == 0 or kept + offloader.full_sizes()[first - 1] > asked  # the longest run that fits
-        assert asked - kept < max(offloader.full_sizes()) or kept == total
+        # From the back, every chunk passed over was larger than what was left of the bytes asked.
+        left, full = asked, offloader.full_sizes()
+        for index in reversed(range(len(flags))):
+            assert flags[index] == (full[index] <= left), (fraction, index)
+            left -= full[index] if flags[index] else 0
+        assert kept == asked - left
         offloader.set_fraction(fraction)  # a fraction is the same bytes
         assert kept_flags(offloader) == flags, fraction
         # A plan made later (a checkpoint load) keeps by the same bytes.
@@ -66,18 +68,23 @@ def test_keeping_bytes_never_keeps_more_than_asked(sizes, chunk_bytes: int, step
     assert offloader.keep_bytes(smallest - 1) == 0
 
 
-def test_kept_bytes_round_down_to_whole_chunks() -> None:
+def test_kept_chunks_pass_over_a_large_chunk_at_the_back() -> None:
     sizes = [1024, 2048, 512]
-    assert kept_from_bytes(sizes, 0) == 3
-    assert kept_from_bytes(sizes, 511) == 3  # not even the last chunk fits
-    assert kept_from_bytes(sizes, 512) == 2
-    assert kept_from_bytes(sizes, 512 + 2047) == 2
-    assert kept_from_bytes(sizes, 512 + 2048) == 1
-    assert kept_from_bytes(sizes, 3583) == 1
-    assert kept_from_bytes(sizes, 3584) == 0
-    assert kept_from_bytes(sizes, 10**9) == 0
+    assert kept_chunks(sizes, 0) == set()
+    assert kept_chunks(sizes, 511) == set()  # not even the smallest chunk fits
+    assert kept_chunks(sizes, 512) == {2}
+    assert kept_chunks(sizes, 512 + 2047) == {0, 2}  # the 2048 passed over, the 1024 before it fits
+    assert kept_chunks(sizes, 512 + 2048) == {1, 2}
+    assert kept_chunks(sizes, 3583) == {1, 2}
+    assert kept_chunks(sizes, 3584) == {0, 1, 2}
+    assert kept_chunks(sizes, 10**9) == {0, 1, 2}
+    # The output layer's 1 GiB at the back of a room under 1 GiB: the layers' chunks before it stay instead.
+    layers = [200] * 12 + [1100]
+    assert kept_chunks(layers, 950) == {8, 9, 10, 11}
     for kept in range(0, 3584 + 1, 64):
-        assert sum(sizes[kept_from_bytes(sizes, kept) :]) <= kept
+        chosen = kept_chunks(sizes, kept)
+        assert sum(sizes[i] for i in chosen) <= kept
+        assert kept_chunks(sizes, sum(sizes[i] for i in chosen)) == chosen  # its own total: the same chunks
 
 
 def test_eviction_is_not_undone_by_a_fraction_or_a_later_plan() -> None:

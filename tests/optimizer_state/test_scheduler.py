@@ -10,7 +10,13 @@ import random
 import pytest
 
 from megatron_offload.core.units import GIB, MIB
-from megatron_offload.optimizer_state.scheduler import MIN_MARGIN_BYTES, Peaks, StateScheduler, whole_chunks
+from megatron_offload.optimizer_state.scheduler import (
+    MIN_MARGIN_BYTES,
+    Peaks,
+    StateScheduler,
+    kept_within,
+    whole_chunks,
+)
 
 STATE = [[256 * MIB] * 24, [64 * MIB] * 40 + [300 * MIB]]  # two offloaders' chunks: 6 + 2.79 GiB
 
@@ -59,7 +65,7 @@ def test_the_budget_is_rounded_down_and_never_exceeds_the_room(limit: float) -> 
     room = ledger.room()
     assert sum(kept) <= room
     for sizes, share in zip(STATE, kept, strict=True):
-        assert share in {sum(sizes[i:]) for i in range(len(sizes) + 1)}  # whole chunks at the back
+        assert share == kept_within(sizes, share)  # whole chunks
     # Rounding down loses less than one chunk per offloader, unless all of it is kept.
     assert room - sum(kept) < sum(max(s) for s in STATE) or sum(kept) == sum(map(sum, STATE))
 
@@ -74,7 +80,7 @@ def test_whole_chunks_never_exceed_the_budget_nor_a_ceiling() -> None:
             shares = whole_chunks(budget, sizes, ceiling)
             assert 0 <= sum(shares) <= max(budget, 0)
             for s, share, top in zip(sizes, shares, ceiling or [sum(s) for s in sizes], strict=True):
-                assert share <= top and share in {sum(s[i:]) for i in range(len(s) + 1)}
+                assert share <= top and share == kept_within(s, share)
 
 
 def test_kept_bytes_only_go_down_when_the_peak_grows() -> None:
