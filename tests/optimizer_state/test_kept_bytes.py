@@ -1,6 +1,6 @@
 """What stays on the GPU, asked for in bytes (``keep_bytes``, the scheduler's unit) or as a fraction
-(``set_fraction``, ``--offload-fraction F``, made bytes): the longest run of whole chunks at the back that
-fits, rounded down, never over what was asked; an eviction lowers it for good."""
+(``set_fraction``, ``--offload-fraction F``, made bytes): whole chunks from the back that fit in what is left,
+one too large passed over, never over what was asked; an eviction lowers it for good."""
 
 from __future__ import annotations
 
@@ -103,6 +103,24 @@ def test_eviction_is_not_undone_by_a_fraction_or_a_later_plan() -> None:
     offloader.offload()
     assert offloader.chunks and all(chunk.entries for chunk in offloader.chunks)
     assert offloader.kept_bytes == after
+
+
+def test_an_eviction_past_a_passed_over_chunk_keeps_the_same_chunks_in_a_later_plan() -> None:
+    """A large chunk at the back (an output layer's state) is passed over; an eviction lets the frontmost kept
+    chunks go, and a new plan (a checkpoint load) keeps exactly those that stayed, the large one still not."""
+    offloader = offloader_of((500,) * 8 + (4000,), 1, stepped=True)  # a chunk per parameter
+    offloader.offload()
+    full = offloader.full_sizes()
+    kept = offloader.keep_bytes(4 * full[0] + full[0] // 2)  # room for four small chunks, not the large one
+    assert kept == 4 * full[0] and kept_flags(offloader) == [False] * 4 + [True] * 4 + [False]
+    offloader.wait()
+    offloader.evict(1)  # the frontmost kept chunk leaves, for good
+    flags = kept_flags(offloader)
+    assert flags == [False] * 5 + [True] * 3 + [False] and offloader.kept_bytes == 3 * full[0]
+    offloader.state.replaced()
+    offloader.plan.key = ("replaced",)
+    offloader.offload()
+    assert kept_flags(offloader) == flags and offloader.kept_bytes == 3 * full[0]
 
 
 def test_the_state_on_the_gpu_counts_kept_chunks_and_copies_that_hold_a_block() -> None:
