@@ -45,8 +45,9 @@ def kept_within(sizes: Sequence[int], budget: int) -> int:
 
 def kept_chunks(sizes: Sequence[int], budget: int) -> set[int]:
     """Which whole chunks stay within ``budget``: from the back of the step order, each that fits in what
-    is left, passing over one that does not (a 1 GiB embedding's state at the back would otherwise keep the
-    smaller chunks before it off the GPU too). Kept within their own total, the same chunks again."""
+    is left, passing over one that does not (the output layer's 1 GiB state, last in the step order, would
+    otherwise keep the smaller chunks before it off the GPU too). Kept within their own total, the same chunks
+    again (an eviction, which lets the frontmost kept chunks go, leaves such a set too)."""
     kept, left = set(), budget
     for index in range(len(sizes) - 1, -1, -1):
         if sizes[index] <= left:
