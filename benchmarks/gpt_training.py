@@ -1,8 +1,8 @@
 """A megatron-core bf16 GPT training setup for the benchmarks that build one in their own process
 (``offload_bandwidth.py``, ``sleep_wake.py``): local layer spec, torch LayerNorm, torch AdamW, DDP with
 the distributed optimizer, as Megatron-LM's get_model / setup_model_and_optimizer / train_step do,
-without TransformerEngine or apex. The same setup as the GPU tests' (tests/gpu/harness.py), kept here so
-that a script a user runs never imports the test package.
+without TransformerEngine or apex. The GPU tests build theirs here too (tests/gpu/harness.py adds what only
+tests need); it lives here so that a script a user runs never imports the test package.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -122,6 +122,8 @@ class GPTTraining:
     config: TransformerConfig  # holds finalize_model_grads_func and grad_scale_func
     shape: GPTShape
     loss_scale: float | None = None
+    # Run once each, in order, right before the next optimizer step (a test's skipped step writes inf there).
+    before_next_step: list[Callable[[list[DistributedDataParallel]], None]] = field(default_factory=list, repr=False)
 
     def train_step(self, iteration: int, read_loss: bool = True) -> tuple[float, bool]:
         """One iteration as in Megatron-LM's train_step; returns (mean loss, update_successful).
@@ -142,6 +144,8 @@ class GPTTraining:
             micro_batch_size=shape.micro_batch_size,
             forward_only=False,
         )
+        while self.before_next_step:
+            self.before_next_step.pop(0)(self.model)
         update_successful, _grad_norm, _num_zeros = self.optimizer.step()
         totals = torch.stack([d["lm loss"] for d in losses]).sum(dim=0)
         torch.distributed.all_reduce(totals, group=parallel_state.get_data_parallel_group())
@@ -158,6 +162,9 @@ def build_gpt_training(
     loss_scale: float | None = None,
     bucket_size: int | None = None,
     optimizer_overrides: dict[str, Any] | None = None,
+    recompute: bool = False,
+    layer_spec: Any = None,
+    no_sync: bool = False,
 ) -> GPTTraining:
     """Build a bf16 GPTModel (local spec) in DDP with the distributed optimizer, as Megatron-LM does.
 
@@ -165,7 +172,10 @@ def build_gpt_training(
     CUDA) and megatron's CUDA RNG tracker are reseeded first. Dropout is 0, so training draws no
     random numbers and two setups can be stepped interleaved. ``bucket_size`` (params per bucket)
     only matters with overlap_grad_reduce; 500_000 gives the default model 4 buckets. ``loss_scale``
-    (use 1.0) adds megatron's constant grad scaler.
+    (use 1.0) adds megatron's constant grad scaler. ``recompute``: full recompute of every layer. ``layer_spec``:
+    another layer spec than megatron-core's local one (the SDPA spec). ``no_sync``: the micro-batches but the
+    last run under DDP's ``no_sync``, as Megatron-LM's loop always runs them (with ``overlap_grad_reduce`` they
+    always do). ``shape.tie_embeddings``: the output layer shares the embedding's weight.
     """
     if overlap_param_gather and not overlap_grad_reduce:
         raise ValueError("overlap_param_gather needs overlap_grad_reduce (as in Megatron-LM)")
@@ -188,10 +198,15 @@ def build_gpt_training(
         attention_dropout=0.0,
         masked_softmax_fusion=False,  # fused softmax kernels come from apex
         gradient_accumulation_fusion=False,  # needs apex's fused_weight_gradient_mlp_cuda
+        **(
+            {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+            if recompute
+            else {}
+        ),
     )
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        transformer_layer_spec=layer_spec or get_gpt_layer_local_spec(),
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.seq_length,
         share_embeddings_and_output_weights=shape.tie_embeddings,
@@ -223,13 +238,14 @@ def build_gpt_training(
     )
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
-    if overlap_grad_reduce:  # as Megatron-LM's train(): sync grads only on the last microbatch
+    if overlap_grad_reduce or no_sync:  # as Megatron-LM's train(): sync grads only on the last microbatch
         config.no_sync_func = model[0].no_sync
     return GPTTraining(model, optimizer, config, shape, loss_scale=loss_scale)
 
 
 def state_bytes(training: GPTTraining) -> int:
     """The fp32 master and Adam state of this rank: 12 bytes per parameter shard the optimizer steps."""
-    optimizers = getattr(training.optimizer, "chained_optimizers", [training.optimizer])
-    inner = [optimizer.optimizer for optimizer in optimizers]
+    from megatron_offload.megatron.optimizer_adapter import distributed_optimizers
+
+    inner = [dist_opt.optimizer for dist_opt in distributed_optimizers(training.optimizer)]
     return 12 * sum(param.numel() for opt in inner for group in opt.param_groups for param in group["params"])

@@ -1,233 +1,36 @@
 """A real megatron-core bf16 GPT training setup for GPU tests.
 
-Tests build it twice in one process (baseline and with optimizer-state offloading), train
-both for N steps and compare bitwise. It mirrors Megatron-LM's get_model / setup_model_and_optimizer /
-train_step without TransformerEngine or apex (absent on the GPU machine): local layer spec, torch
-LayerNorm (megatron-core's no-apex fallback), torch AdamW (its no-TE/apex Adam). Every call here has
-the same signature and behaviour in megatron-core 0.16.1 and 0.19.2, so no version branches are needed;
-0.19 only logs two warnings (GPTModel deprecated; DDP computing full_param_layout itself, which is
-what Megatron-LM precomputes with the same function).
+Tests build it twice in one process (baseline and with optimizer-state offloading), train both for N steps
+and compare bitwise. The setup is the benchmarks' (``benchmarks/gpt_training.py``: Megatron-LM's get_model /
+setup_model_and_optimizer / train_step without TransformerEngine or apex, the same in megatron-core 0.16.1
+and 0.19.2); here is what only tests need: the output layer untied unless a test asks, and a step skipped the way
+megatron-core skips one.
 """
 
 from __future__ import annotations
 
-import random
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from functools import partial
+from dataclasses import replace
 from typing import Any
 
-import megatron.core
-import torch
-from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
-from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.tensor_parallel import (
-    model_parallel_cuda_manual_seed,
-    set_defaults_if_not_set_tensor_model_parallel_attributes,
-)
-from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.module import Float16Module
-from packaging.version import Version
+from megatron.core.distributed import DistributedDataParallel
 
-from benchmarks.gpt_training import init_distributed  # the one-process world, one copy
+from benchmarks import gpt_training
+from benchmarks.gpt_training import GPTShape, GPTTraining, init_distributed, state_bytes
 
-MCORE_VERSION = Version(megatron.core.__version__)  # for tests that need to tell versions apart
-
-Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+__all__ = [
+    "GPTShape",
+    "GPTTraining",
+    "build_gpt_training",
+    "force_skipped_step",
+    "init_distributed",
+    "state_bytes",
+]
 
 
-@dataclass
-class GPTShape:
-    """Model and batch sizes; the defaults are tiny so a step takes milliseconds."""
-
-    num_layers: int = 2
-    hidden_size: int = 256
-    num_attention_heads: int = 4
-    ffn_hidden_size: int = 1024
-    vocab_size: int = 1024
-    seq_length: int = 128
-    micro_batch_size: int = 2
-    num_micro_batches: int = 2
-
-
-def _microbatches(shape: GPTShape, iteration: int) -> list[Batch]:
-    """Deterministic, learnable data: arithmetic token runs seeded by (iteration, DP rank).
-
-    Seeding by DP rank (not global rank) keeps tensor-parallel peers on the same tokens.
-    """
-    gen = torch.Generator().manual_seed(iteration * 100_003 + parallel_state.get_data_parallel_rank())
-    n, b, s = shape.num_micro_batches, shape.micro_batch_size, shape.seq_length
-    start = torch.randint(0, shape.vocab_size, (n, b, 1), generator=gen)
-    stride = torch.randint(1, 4, (n, b, 1), generator=gen)
-    tokens = ((start + stride * torch.arange(s + 1)) % shape.vocab_size).cuda()
-    position_ids = torch.arange(s, device="cuda").unsqueeze(0).repeat(b, 1)
-    loss_mask = torch.ones(b, s, device="cuda")
-    return [(t[:, :-1], t[:, 1:], loss_mask, position_ids) for t in tokens]
-
-
-def _loss_func(
-    loss_mask: torch.Tensor, output: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Masked token-sum loss plus token count, the 3-tuple form of both 0.16 and 0.19.
-
-    The schedule divides the loss by num_tokens and num_microbatches itself (masked mean).
-    """
-    mask = loss_mask.view(-1).float()
-    loss = torch.sum(output.view(-1).float() * mask)
-    num_tokens = mask.sum().to(torch.int)
-    report = torch.cat([loss.detach().view(1), num_tokens.float().view(1)])
-    return loss, num_tokens, {"lm loss": report}
-
-
-def _forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module) -> tuple[Any, Callable]:
-    """GPTModel with labels returns the per-token loss [b, s]; no attention mask (causal)."""
-    tokens, labels, loss_mask, position_ids = next(data_iterator)
-    output = model(tokens, position_ids, None, labels=labels)
-    return output, partial(_loss_func, loss_mask)
-
-
-@dataclass
-class GPTTraining:
-    """One built setup: DDP model chunks, the megatron optimizer and the model config."""
-
-    model: list[DistributedDataParallel]
-    optimizer: MegatronOptimizer  # a ChainedOptimizer of DistributedOptimizer(s)
-    config: TransformerConfig  # holds finalize_model_grads_func and grad_scale_func
-    shape: GPTShape
-    loss_scale: float | None = None
-    skip_next_step: bool = field(default=False, repr=False)
-
-    def train_step(self, iteration: int, read_loss: bool = True) -> tuple[float, bool]:
-        """One iteration as in Megatron-LM's train_step; returns (mean loss, update_successful).
-
-        ``read_loss=False`` leaves the loss on the GPU (NaN is returned), as Megatron-LM does between
-        log intervals: reading it waits for every device-to-host copy queued before it.
-        """
-        for chunk in self.model:
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        shape = self.shape
-        losses = get_forward_backward_func()(
-            forward_step_func=_forward_step,
-            data_iterator=iter(_microbatches(shape, iteration)),
-            model=self.model,
-            num_microbatches=shape.num_micro_batches,
-            seq_length=shape.seq_length,
-            micro_batch_size=shape.micro_batch_size,
-            forward_only=False,
-        )
-        if self.skip_next_step:
-            self.skip_next_step = False
-            _poison_one_main_grad(self.model)
-        update_successful, _grad_norm, _num_zeros = self.optimizer.step()
-        totals = torch.stack([d["lm loss"] for d in losses]).sum(dim=0)
-        torch.distributed.all_reduce(totals, group=parallel_state.get_data_parallel_group())
-        return (totals[0] / totals[1]).item() if read_loss else float("nan"), bool(update_successful)
-
-
-def build_gpt_training(
-    shape: GPTShape,
-    seed: int = 1234,
-    lr: float = 1e-3,
-    clip_grad: float = 1.0,
-    overlap_grad_reduce: bool = False,
-    overlap_param_gather: bool = False,
-    loss_scale: float | None = None,
-    bucket_size: int | None = None,
-    optimizer_overrides: dict[str, Any] | None = None,
-    recompute: bool = False,
-    layer_spec: Any = None,
-    tied: bool = False,
-    no_sync: bool = False,
-) -> GPTTraining:
-    """Build a bf16 GPTModel (local spec) in DDP with the distributed optimizer, as Megatron-LM does.
-
-    Same seed -> bitwise-same initial params on every call in one process: python, torch (CPU and
-    CUDA) and megatron's CUDA RNG tracker are reseeded first. Dropout is 0, so training draws no
-    random numbers and two setups can be stepped interleaved. ``bucket_size`` (params per bucket)
-    only matters with overlap_grad_reduce; 500_000 gives the default model 4 buckets. ``loss_scale``
-    (use 1.0) adds megatron's constant grad scaler, which ``force_skipped_step`` needs. ``layer_spec``:
-    another layer spec than megatron-core's local one (the SDPA spec). ``tied``: the output layer shares the
-    embedding's weight (megatron-core's default is untied, Megatron-LM's tied). ``no_sync``: the
-    micro-batches but the last run under DDP's ``no_sync``, as Megatron-LM's loop always runs them (with
-    ``overlap_grad_reduce`` they always do).
-    """
-    if overlap_param_gather and not overlap_grad_reduce:
-        raise ValueError("overlap_param_gather needs overlap_grad_reduce (as in Megatron-LM)")
-    if not parallel_state.model_parallel_is_initialized():
-        init_distributed()
-    random.seed(seed)
-    torch.manual_seed(seed)  # CPU generator: torch.nn.Embedding (positions) inits on CPU
-    model_parallel_cuda_manual_seed(seed)  # resets the tracker states too
-
-    config = TransformerConfig(
-        num_layers=shape.num_layers,
-        hidden_size=shape.hidden_size,
-        num_attention_heads=shape.num_attention_heads,
-        ffn_hidden_size=shape.ffn_hidden_size,
-        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
-        bf16=True,
-        params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        masked_softmax_fusion=False,  # fused softmax kernels come from apex
-        gradient_accumulation_fusion=False,  # needs apex's fused_weight_gradient_mlp_cuda
-        **(
-            {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
-            if recompute
-            else {}
-        ),
-    )
-    gpt = GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec or get_gpt_layer_local_spec(),
-        vocab_size=shape.vocab_size,
-        max_sequence_length=shape.seq_length,
-        share_embeddings_and_output_weights=tied,
-    )
-    for param in gpt.parameters():
-        set_defaults_if_not_set_tensor_model_parallel_attributes(param)  # as get_model does
-    gpt.cuda(torch.cuda.current_device())  # torch LayerNorm/position embedding start on CPU
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,  # Megatron-LM's default for bf16
-        overlap_grad_reduce=overlap_grad_reduce,
-        overlap_param_gather=overlap_param_gather,
-        use_distributed_optimizer=True,
-        bucket_size=bucket_size,
-    )
-    model = [DistributedDataParallel(config, ddp_config, Float16Module(config, gpt))]
-
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=lr,
-            weight_decay=0.01,
-            clip_grad=clip_grad,
-            bf16=True,
-            use_distributed_optimizer=True,
-            loss_scale=loss_scale,
-            **(optimizer_overrides or {}),
-        ),
-        model,
-    )
-    config.finalize_model_grads_func = finalize_model_grads
-    config.grad_scale_func = optimizer.scale_loss
-    if overlap_grad_reduce or no_sync:  # as Megatron-LM's train(): sync grads only on the last microbatch
-        config.no_sync_func = model[0].no_sync
-    return GPTTraining(model, optimizer, config, shape, loss_scale=loss_scale)
-
-
-def state_bytes(training: GPTTraining) -> int:
-    """The fp32 master and Adam state of this rank: 12 bytes per parameter shard the optimizer steps."""
-    from megatron_offload.megatron.optimizer_adapter import distributed_optimizers
-
-    inner = [dist_opt.optimizer for dist_opt in distributed_optimizers(training.optimizer)]
-    return 12 * sum(param.numel() for opt in inner for group in opt.param_groups for param in group["params"])
+def build_gpt_training(shape: GPTShape, *args: Any, tied: bool = False, **kwargs: Any) -> GPTTraining:
+    """``benchmarks.gpt_training.build_gpt_training`` with the output layer untied unless ``tied`` (megatron-core's
+    default; Megatron-LM's is tied), whatever ``shape.tie_embeddings`` says: each test names what it trains."""
+    return gpt_training.build_gpt_training(replace(shape, tie_embeddings=tied), *args, **kwargs)
 
 
 def _poison_one_main_grad(model: list[DistributedDataParallel]) -> None:
@@ -249,13 +52,4 @@ def force_skipped_step(training: GPTTraining) -> None:
     """
     if not training.loss_scale:
         raise ValueError("force_skipped_step needs build_gpt_training(..., loss_scale=1.0)")
-    training.skip_next_step = True
-
-
-def param_snapshot(training: GPTTraining) -> dict[str, torch.Tensor]:
-    """Clone every bf16 model param; with overlap_param_gather first run the all-gather that would
-    otherwise wait for the next forward's pre-hooks (the optimizer only wrote this rank's shard)."""
-    chunk = training.model[0]
-    if chunk.ddp_config.overlap_param_gather:
-        chunk.start_param_sync(force_sync=True)
-    return {name: p.detach().clone() for name, p in chunk.named_parameters()}
+    training.before_next_step.append(_poison_one_main_grad)
