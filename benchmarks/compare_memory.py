@@ -46,7 +46,8 @@ from benchmarks.memory_runs import (
     TIMELINE_ITERS,
     TIMELINES,
     flags_of,
-    run_all,
+    run_rows,
+    run_timelines,
 )
 from benchmarks.memory_summary import read_runs, summarize
 from benchmarks.nightly_runs import ROOT, environment
@@ -209,7 +210,11 @@ def main(argv: list[str] | None = None) -> int:
         info = json.loads(info_path.read_text()) if info_path.is_file() else {}
         args.out.mkdir(parents=True, exist_ok=True)
     else:
-        info = run_all(args, extra)
+        # The verdict first, then the timeline reruns and the report again with their plot: a night cut
+        # short in those reruns keeps its report and the run record --from-logs rebuilds it from.
+        info = run_rows(args, extra)
+        build_report(args.out, args, info, extra)
+        info = run_timelines(args, extra, info)
     report, code = build_report(args.from_logs or args.out, args, info, extra)
     print_verdict(report, args.out)
     return code

@@ -1,6 +1,7 @@
 """The nightly memory comparison's runs: its rows (RUN_FLAGS) and what each is for (run under the cap, must
 not fit, judged, needed for a verdict, also run briefly with the allocator's history), each row's command, the
-cap from the baseline's log, and running them all, one after another, each through nightly_runs.run_one."""
+cap from the baseline's log, and running them one after another, each through nightly_runs.run_one: the judged
+rows first (their record written before anything else runs), then the timeline reruns."""
 
 from __future__ import annotations
 
@@ -71,9 +72,9 @@ def cap_from(baseline_log: Path, extra: list[str]) -> tuple[float | None, str]:
     return math.floor((reserved - CAP_STATE_SHARE * state / 2**30) * 100) / 100, ""
 
 
-def run_all(args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
-    """The runs, one after another (the capped ones once the baseline gave the cap); returns the run
-    record that --from-logs reads back."""
+def run_rows(args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
+    """The judged rows, one after another (the capped ones once the baseline gave the cap); returns the run
+    record that --from-logs reads back, written to run_info.json before any timeline run."""
     args.out.mkdir(parents=True, exist_ok=True)
     names = [name for name in RUN_FLAGS if not (args.skip_cpu_offload and name == "cpu-offload")]
     info: dict[str, Any] = {"config": str(args.config), "gpus": args.gpus, "iters": args.iters, "extra_args": extra}
@@ -82,7 +83,7 @@ def run_all(args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
     for name in TIMELINES:  # none left from an earlier night in the same folder
         (args.out / f"{name}.snapshot.pickle").unlink(missing_ok=True)
         (args.out / f"{name}.timeline.log").unlink(missing_ok=True)
-    with RunProgress(names + [f"{name}.timeline" for name in TIMELINES if name in names]) as progress:
+    with RunProgress(names) as progress:
         for name in names:
             if name in CAPPED and args.cap_gib is None:
                 args.cap_gib, why = cap_from(args.out / "baseline.log", extra)
@@ -92,10 +93,16 @@ def run_all(args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
                     continue
             command = run_command(name, args, extra)
             info["runs"][name] = {"command": command, "returncode": run_one(name, command, args, progress)}
-        for name in TIMELINES:  # only rows that ran through (a capped one only once a cap was found)
-            if info["runs"].get(name, {}).get("returncode") != 0:
-                progress.finish(f"{name}.timeline", "not run: its row did not run through")
-                continue
+    (args.out / "run_info.json").write_text(json.dumps(info, indent=1))
+    return info
+
+
+def run_timelines(args: argparse.Namespace, extra: list[str], info: dict[str, Any]) -> dict[str, Any]:
+    """The short runs with the allocator's history, for the memory timeline plot, of the rows that ran
+    through (a capped one only once a cap was found); the run record gains them and is written again."""
+    names = [name for name in TIMELINES if info["runs"].get(name, {}).get("returncode") == 0]
+    with RunProgress([f"{name}.timeline" for name in names]) as progress:
+        for name in names:
             command = timeline_command(name, args, extra)
             code = run_one(f"{name}.timeline", command, args, progress)
             info["timeline_runs"][name] = {"command": command, "returncode": code}

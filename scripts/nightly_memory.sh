@@ -2,9 +2,10 @@
 # The nightly CI job: the nightly config run without offload, with the smallest footprint
 # (--offload-prefetch step), and under a cap (no offload's peak reserved less half the optimizer state)
 # without offload and with --offload-optimizer-states alone, plus megatron-core's --optimizer-cpu-offload
-# as a reference; then, for the memory timeline plot, 4-iteration reruns of no offload, step and the capped
-# default (those that ran through) with --record-memory-history, which the judged runs leave off (it slows
-# their steps); then a report (report.md/json, plots where matplotlib is installed) and a verdict. Exits
+# as a reference; then a report (report.md/json, plots where matplotlib is installed) and its verdict; then,
+# for the memory timeline plot, 4-iteration reruns of no offload, step and the capped default (those that ran
+# through) with --record-memory-history, which the judged runs leave off (it slows their steps), and the
+# report again with that plot. A job cut short in those reruns keeps its report and verdict. Exits
 # with benchmarks/compare_memory.py's status (0 pass, 1 a check failed, 2 usage error or the no-offload or
 # step run failed). Re-runnable: each run rewrites OUT's logs and report.
 # Thresholds: THRESHOLDS names the file (configs/nightly_thresholds.yaml by default); step times are held

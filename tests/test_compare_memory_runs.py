@@ -48,6 +48,34 @@ def test_run_mode_streams_each_run_into_its_log(
     assert report["verdict"] == "PASS"
 
 
+def test_a_night_cut_short_in_the_timeline_reruns_keeps_its_verdict_and_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The judged rows' report and run record are written before the first timeline rerun starts."""
+
+    def replay(name: str, args: argparse.Namespace, extra: list[str]) -> list[str]:
+        code = 1 if name == "capped-no-offload" else 0
+        script = f"import sys; sys.stdout.write(open({str(DATA / f'{name}.log')!r}).read()); sys.exit({code})"
+        return [sys.executable, "-c", script]
+
+    def cut_short(name: str, args: argparse.Namespace, extra: list[str]) -> list[str]:
+        raise KeyboardInterrupt  # the job's wall limit, as the first timeline rerun would start
+
+    monkeypatch.setattr(memory_runs, "run_command", replay)
+    monkeypatch.setattr(memory_runs, "timeline_command", cut_short)
+    out_dir = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        compare_memory.main(["--config", "configs/nightly_memory.yaml", "--out", str(out_dir), "--skip-cpu-offload"])
+    report = json.loads((out_dir / "report.json").read_text())
+    assert report["verdict"] == "PASS"
+    assert "PASS" in (out_dir / "report.md").read_text()
+    info = json.loads((out_dir / "run_info.json").read_text())
+    assert info["environment"] == report["environment"] and info["timeline_runs"] == {}
+    assert {name: run["returncode"] for name, run in info["runs"].items()} == {
+        "baseline": 0, "step": 0, "capped-no-offload": 1, "capped-default": 0,
+    }  # fmt: skip
+
+
 def test_without_a_cap_from_the_baseline_the_capped_rows_do_not_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
