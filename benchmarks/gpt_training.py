@@ -29,6 +29,9 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+# build_gpt_training(recompute=True): every layer's forward recomputed in the backward, as Megatron-LM's
+# --recompute-granularity full --recompute-method uniform --recompute-num-layers 1.
+FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 
 
 @dataclass
@@ -198,11 +201,7 @@ def build_gpt_training(
         attention_dropout=0.0,
         masked_softmax_fusion=False,  # fused softmax kernels come from apex
         gradient_accumulation_fusion=False,  # needs apex's fused_weight_gradient_mlp_cuda
-        **(
-            {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
-            if recompute
-            else {}
-        ),
+        **(FULL_RECOMPUTE if recompute else {}),
     )
     gpt = GPTModel(
         config=config,
