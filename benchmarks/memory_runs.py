@@ -100,9 +100,12 @@ def run_rows(args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
 def run_timelines(args: argparse.Namespace, extra: list[str], info: dict[str, Any]) -> dict[str, Any]:
     """The short runs with the allocator's history, for the memory timeline plot, of the rows that ran
     through (a capped one only once a cap was found); the run record gains them and is written again."""
-    names = [name for name in TIMELINES if info["runs"].get(name, {}).get("returncode") == 0]
+    names = [name for name in TIMELINES if name in info["runs"]]
     with RunProgress([f"{name}.timeline" for name in names]) as progress:
         for name in names:
+            if info["runs"][name].get("returncode") != 0:
+                progress.finish(f"{name}.timeline", "not run: its row did not run through")
+                continue
             command = timeline_command(name, args, extra)
             code = run_one(f"{name}.timeline", command, args, progress)
             info["timeline_runs"][name] = {"command": command, "returncode": code}
