@@ -241,9 +241,10 @@ class OffloadHandle:
                     offloader.copies.pump()
                 self._after_step(stepped)
                 self.wrappers.wrap_finalize_functions(self)
+                quiet = not self.moving_chunks() and all(offloader.copies.idle for offloader in self.offloaders)
                 for hooks in (self._pacer, self._room):
                     if hooks is not None:
-                        hooks.new_iteration()
+                        hooks.new_iteration(quiet)
                 self.in_step = False
 
         return step_with_offload

@@ -56,7 +56,8 @@ class RoomForForward:
     copies run beside the forward. If allocated now plus what the rest of the first forward added would
     pass the limit even with every copy out landed (the workload grew), every copy out is given back and
     kept state goes too: slower, never out of memory where offloading fits. With nothing leaving, memory is
-    read every few hooks (``READ_EVERY``, ``READ_SPARSE``): a forward that grew is seen at the next reading.
+    read every few hooks (``READ_EVERY``, ``READ_SPARSE``): a forward that grew is seen at the next reading; with
+    nothing moving at all (``quiet``: the whole state kept), the hooks between readings return at once.
     Given a ``clock``, each first forward is also timed, on the device, from its first hook to its last
     (``first_forward_ms``, the shortest so far).
 
@@ -93,6 +94,7 @@ class RoomForForward:
         self.top = 0  # the first hook where the profile reached its highest reading
         self.next_read = 0  # with nothing leaving, the hook (``calls``) whose memory is read next
         self.waited = 0  # times a forward had the compute stream wait for copies out (for tests and the log)
+        self.quiet = False  # nothing moves, no copy under way (the handle says so after each step)
         self.first_forward_ms: float | None = None  # the shortest first forward so far, first hook to last
         self._marks: list[Any] = []  # this iteration's first forward: events at its first and last hook
 
@@ -104,8 +106,10 @@ class RoomForForward:
     def before_forward(self, module: torch.nn.Module, args: Any) -> None:
         if not self.on_gpu:
             return
-        self.handle.pump()
         self.calls += 1
+        if self.quiet and self.calls < self.next_read and self.calls != len(self.hooks):
+            return  # no copy to start or retire, no reading due (the last hook times the forward)
+        self.handle.pump()
         if self.clock is not None and not self.learning and self.calls in (1, len(self.hooks)):
             # Read after the step, without waiting: how long the first forward computes, for the step to
             # leave it the copies out it can hide (OffloadHandle.forward_hides).
@@ -132,6 +136,7 @@ class RoomForForward:
             if pending:
                 self._release(None)
             if self.handle.kept_bytes():
+                self.quiet = False  # copies out from here on: every hook pumps them again
                 self.handle.evict(grown)  # kept state out for good: the scheduler re-chooses after the step
                 self._release(None)
         elif pending and allocated + self._ahead(index) > headroom:
@@ -157,9 +162,11 @@ class RoomForForward:
             # On the host: only a landed copy frees memory that fixed-size segments can hand out whole.
             self.handle.drain_offloads(nbytes)
 
-    def new_iteration(self) -> None:
+    def new_iteration(self, quiet: bool = False) -> None:
         """Called after every step: the first forward's profile is complete; its time is read if its events
-        have completed (never a wait), the shortest kept: a forward that waited for copies out ran longer."""
+        have completed (never a wait), the shortest kept: a forward that waited for copies out ran longer.
+        ``quiet``: nothing moves and no copy is under way; until one is, hooks between readings return at once."""
+        self.quiet = quiet
         if self.learning and self.calls:
             self.learning = False
             self.top = self.profile.index(self.profile[-1]) if self.profile else 0
