@@ -73,13 +73,12 @@ class PrefetchDuringBackward:
         self.first_param: int | None = None  # id of the param whose gradient is ready first in a backward
         self.backwards = 0  # backwards begun in this iteration
         self.backwards_per_iteration: int | None = None
-        self.quiet = False  # nothing moves, no copy under way (the handle says so after each step)
         params = list({id(p): p for chunk in model_chunks for p in chunk.parameters() if p.requires_grad}.values())
         self.hooks = [param.register_post_accumulate_grad_hook(self.on_grad_ready) for param in sampled(params)]
         self.on_gpu = torch.cuda.is_available()
 
     def on_grad_ready(self, param: torch.Tensor) -> None:
-        if self.quiet:
+        if self.handle.quiet:
             return  # nothing to pump or bring back; the backwards are counted once something moves
         if self.first_param is None:
             self.first_param = id(param)
@@ -151,10 +150,8 @@ class PrefetchDuringBackward:
         held = allocated_bytes() - self.handle.gpu_state_bytes()
         self.at_step = held if self.at_step is None else max(self.at_step, held)
 
-    def new_iteration(self, quiet: bool = False) -> None:
-        """Called after every step: learn from the backward just seen, start afresh. ``quiet``: nothing moves
-        and no copy is under way; the hooks return at once until the next step."""
-        self.quiet = quiet
+    def new_iteration(self) -> None:
+        """Called after every step: learn from the backward just seen, start afresh."""
         if self.backwards_per_iteration is None and self.backwards:
             self.backwards_per_iteration = self.backwards  # the next iteration samples its last backward
         elif self.read:

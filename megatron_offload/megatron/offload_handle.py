@@ -48,6 +48,7 @@ class OffloadHandle:
         self.hook_waits = 0
         self.step_backlog_bytes = 0
         self.brought_at_step = 0  # bytes started back as this iteration's step began (bring_back_for_step)
+        self.quiet = False  # nothing moves, no copy under way: the hooks return at once (set at each step's end)
         self._pacer: PrefetchDuringBackward | None = None
         self._room: RoomForForward | None = None
         self.wrappers = Wrappers(config.prefetch is PrefetchPolicy.FINALIZE)  # undone at detach
@@ -112,6 +113,7 @@ class OffloadHandle:
     def evict(self, nbytes: int) -> int:
         """Offload kept state now (memory ran short in the forward); it stays offloaded: the decision
         is lowered to what is still kept."""
+        self.quiet = False  # copies out from here on: every hook of the forward and the backward pumps them
         started = 0
         for offloader in self.offloaders:
             if started < nbytes:
@@ -202,9 +204,8 @@ class OffloadHandle:
     def detach(self) -> None:
         """Bring all state back to the GPU and undo every wrapper. Safe to call twice."""
         self.wrappers.undo()
-        for hooks in (self._pacer, self._room):
-            if hooks is not None:
-                hooks.remove()
+        for hooks in filter(None, (self._pacer, self._room)):
+            hooks.remove()
         self._pacer = self._room = None
         for offloader in self.offloaders:
             offloader.restore()
@@ -241,10 +242,9 @@ class OffloadHandle:
                     offloader.copies.pump()
                 self._after_step(stepped)
                 self.wrappers.wrap_finalize_functions(self)
-                quiet = not self.moving_chunks() and all(offloader.copies.idle for offloader in self.offloaders)
-                for hooks in (self._pacer, self._room):
-                    if hooks is not None:
-                        hooks.new_iteration(quiet)
+                self.quiet = not self.moving_chunks() and all(offloader.copies.idle for offloader in self.offloaders)
+                for hooks in filter(None, (self._pacer, self._room)):
+                    hooks.new_iteration()
                 self.in_step = False
 
         return step_with_offload

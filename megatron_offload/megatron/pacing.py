@@ -31,6 +31,7 @@ class Handle(Protocol):
     """What the hooks need of an OffloadHandle."""
 
     scheduler: StateScheduler
+    quiet: bool  # nothing moves and no copy is under way: the hooks return at once between readings
 
     def pump(self) -> None: ...
     def moving_chunks(self) -> list[int]: ...
@@ -57,7 +58,7 @@ class RoomForForward:
     pass the limit even with every copy out landed (the workload grew), every copy out is given back and
     kept state goes too: slower, never out of memory where offloading fits. With nothing leaving, memory is
     read every few hooks (``READ_EVERY``, ``READ_SPARSE``): a forward that grew is seen at the next reading; with
-    nothing moving at all (``quiet``: the whole state kept), the hooks between readings return at once.
+    nothing moving at all (the handle's ``quiet``: the whole state kept), the hooks between readings return at once.
     Given a ``clock``, each first forward is also timed, on the device, from its first hook to its last
     (``first_forward_ms``, the shortest so far).
 
@@ -94,7 +95,6 @@ class RoomForForward:
         self.top = 0  # the first hook where the profile reached its highest reading
         self.next_read = 0  # with nothing leaving, the hook (``calls``) whose memory is read next
         self.waited = 0  # times a forward had the compute stream wait for copies out (for tests and the log)
-        self.quiet = False  # nothing moves, no copy under way (the handle says so after each step)
         self.first_forward_ms: float | None = None  # the shortest first forward so far, first hook to last
         self._marks: list[Any] = []  # this iteration's first forward: events at its first and last hook
 
@@ -107,7 +107,7 @@ class RoomForForward:
         if not self.on_gpu:
             return
         self.calls += 1
-        if self.quiet and self.calls < self.next_read and self.calls != len(self.hooks):
+        if self.handle.quiet and self.calls < self.next_read and self.calls != len(self.hooks):
             return  # no copy to start or retire, no reading due (the last hook times the forward)
         self.handle.pump()
         if self.clock is not None and not self.learning and self.calls in (1, len(self.hooks)):
@@ -136,7 +136,6 @@ class RoomForForward:
             if pending:
                 self._release(None)
             if self.handle.kept_bytes():
-                self.quiet = False  # copies out from here on: every hook pumps them again
                 self.handle.evict(grown)  # kept state out for good: the scheduler re-chooses after the step
                 self._release(None)
         elif pending and allocated + self._ahead(index) > headroom:
@@ -162,11 +161,9 @@ class RoomForForward:
             # On the host: only a landed copy frees memory that fixed-size segments can hand out whole.
             self.handle.drain_offloads(nbytes)
 
-    def new_iteration(self, quiet: bool = False) -> None:
+    def new_iteration(self) -> None:
         """Called after every step: the first forward's profile is complete; its time is read if its events
-        have completed (never a wait), the shortest kept: a forward that waited for copies out ran longer.
-        ``quiet``: nothing moves and no copy is under way; until one is, hooks between readings return at once."""
-        self.quiet = quiet
+        have completed (never a wait), the shortest kept: a forward that waited for copies out ran longer."""
         if self.learning and self.calls:
             self.learning = False
             self.top = self.profile.index(self.profile[-1]) if self.profile else 0

@@ -30,6 +30,7 @@ class Ledger:
         self.evicted: list[int] = []
         self.waits = 0
         self.pumps = 0
+        self.quiet = False  # what the handle said at the latest step's end
 
     def pump(self) -> None:
         self.pumps += 1
@@ -58,6 +59,7 @@ class Ledger:
 
     def evict(self, nbytes: int) -> int:
         self.evicted.append(nbytes)
+        self.quiet = False  # as the handle's evict: its copies out move from here on
         moved, self.kept = self.kept, 0
         self.pieces.append(moved)
         return moved

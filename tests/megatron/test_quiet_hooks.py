@@ -19,31 +19,25 @@ from tests.megatron.test_kept_decision import offloader_of
 from tests.megatron.test_pacing import PROFILE, Ledger, learn
 
 
-class Told:
-    """The hooks as the handle sees them after a step: what it told them."""
-
-    def __init__(self) -> None:
-        self.said: list[bool] = []
-
-    def new_iteration(self, quiet: bool = False) -> None:
-        self.said.append(quiet)
-
-
 def test_the_handle_says_quiet_only_when_no_chunk_moves_and_no_copy_is_under_way() -> None:
     offloaders = [offloader_of((37, 1000, 5, 300, 64, 700, 1)), offloader_of((500,) * 9)]
     handle = OffloadHandle(object(), OffloadConfig())
     handle.offloaders = offloaders  # no CUDA here: the step wrapper's decision and pacing are skipped
-    handle._room = told = Told()
     step = handle._step_wrapper(lambda: None)
+    said = []
     step()  # every chunk offloaded: they move every iteration
+    said.append(handle.quiet)
     for offloader in offloaders:
         offloader.keep_bytes(offloader.plan.full_bytes())  # every chunk kept
         offloader.prefetch()  # and on its way back: a copy under way
     step()
+    said.append(handle.quiet)
     for offloader in offloaders:
         offloader.copies.drain()  # landed
     step()
-    assert told.said == [False, False, True]
+    said.append(handle.quiet)
+    assert said == [False, False, True]
+    assert handle.evict(1) > 0 and not handle.quiet  # kept state leaves: the forward's and backward's hooks pump
 
 
 @pytest.fixture
@@ -66,7 +60,8 @@ def forward_after_a_step(quiet: bool, readings: dict, kept: int = GIB, grown: in
     hooks.on_gpu = True
     learn(hooks, ledger, readings, model)
     ledger.kept = kept
-    hooks.new_iteration(quiet)
+    hooks.new_iteration()
+    ledger.quiet = quiet  # what the handle said at the step's end
     ledger.pumps = readings["n"] = 0
     for layer, natural in zip(model, PROFILE, strict=True):
         readings["bytes"] = natural + grown + ledger.kept
@@ -85,7 +80,7 @@ def test_a_quiet_forward_pumps_only_where_it_reads_and_at_its_last_hook(readings
 
 def test_a_growth_read_in_a_quiet_forward_evicts_and_every_later_hook_pumps_again(readings) -> None:
     ledger = forward_after_a_step(True, readings, grown=4 * GIB)
-    assert ledger.evicted and ledger.kept == 0  # seen at hook 1: kept state leaves
+    assert ledger.evicted and ledger.kept == 0 and not ledger.quiet  # seen at hook 1: kept state leaves
     assert ledger.pumps == 4  # hooks 2 and 3 pump its copies out too
     assert ledger.drained == []  # never a host wait
 
@@ -100,9 +95,11 @@ def test_a_quiet_backward_neither_pumps_nor_counts(monkeypatch: pytest.MonkeyPat
     hooks.on_grad_ready(param)  # iteration 1: every chunk moves
     hooks.new_iteration()
     assert ledger.pumps == 1 and hooks.backwards_per_iteration == 1
-    hooks.new_iteration(quiet=True)
+    hooks.new_iteration()
+    ledger.quiet = True
     hooks.on_grad_ready(param)
     assert ledger.pumps == 1 and hooks.backwards == 0
-    hooks.new_iteration(quiet=False)  # something moves again: every hook pumps and counts
+    hooks.new_iteration()
+    ledger.evict(0)  # something moves again (a forward evicted): every hook pumps and counts
     hooks.on_grad_ready(param)
     assert ledger.pumps == 2 and hooks.backwards == 1
