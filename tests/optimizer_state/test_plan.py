@@ -1,6 +1,7 @@
 """The plan as the state grows, on CPU tensors: moments that the first step creates join the plan (and,
 chunked, their chunks) without a new plan or a new slab, params whose own tensor stays get their moments
-planned, and the offload right after a whole streamed step trusts the step's check of the plan.
+planned, the state is walked again only when a tensor the plan rests on is new (or after a load), and state
+that a later step makes for a param without any is planned and leaves.
 """
 
 from __future__ import annotations
@@ -69,9 +70,7 @@ def test_params_without_an_offloaded_master_get_their_moments_planned(offloaded_
     assert offloader.stats.offloads == (2 if offloaded_masters.stop else 1)
 
 
-def test_the_offload_right_after_a_whole_streamed_step_needs_no_second_walk_over_the_state(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_the_state_is_walked_again_only_when_a_tensor_it_rests_on_is_new(monkeypatch: pytest.MonkeyPatch) -> None:
     optimizer, masters = many_masters()
     take_step(optimizer, 0)
     offloader = offloader_for(optimizer, masters, chunk_bytes=2000)
@@ -87,15 +86,9 @@ def test_the_offload_right_after_a_whole_streamed_step_needs_no_second_walk_over
     step()
     assert len(walks) == 1  # the step's own check
     offloader.offload(now=False)
-    assert len(walks) == 1  # the step vouched for the plan
-    offloader.offload(now=False)
-    assert len(walks) == 2  # for one call only
     step()
-    step()
-    assert len(walks) == 4  # each step checks for itself, vouched for or not
-    offloader.state.replaced()  # a checkpoint load in between
     offloader.offload(now=False)
-    assert len(walks) == 6  # the check, then the new plan
+    assert len(walks) == 1  # nothing new since: the walk's answer stands
 
     def fail(params: list[torch.Tensor]) -> None:
         raise RuntimeError("injected")
@@ -103,4 +96,35 @@ def test_the_offload_right_after_a_whole_streamed_step_needs_no_second_walk_over
     with pytest.raises(RuntimeError, match="injected"):
         step(fail)
     offloader.offload(now=False)
-    assert len(walks) == 8  # a step that failed half-way vouches for nothing
+    assert len(walks) == 1  # a failed step made no tensor either
+    offloader.wait()
+    state = optimizer.state[masters[3]]
+    state["exp_avg"] = state["exp_avg"].clone()  # put in the state's place by hand
+    chunks = list(offloader.chunks)
+    offloader.offload()
+    assert len(walks) == 3  # the check found it, then the new plan
+    assert in_host_slab(offloader, state["exp_avg"]) and offloader.chunks[0] is not chunks[0]
+    offloader.state.replaced()  # a checkpoint load in between
+    offloader.offload(now=False)
+    assert len(walks) == 4  # a load is not trusted to identities: the plan is made again (the same one)
+    step()
+    assert len(walks) == 5  # the first check of that plan walks
+
+
+def test_state_a_later_step_makes_is_planned_and_offloaded() -> None:
+    optimizer, masters = many_masters()
+    set_grads(optimizer, 0)
+    masters[2].grad = None  # no gradient at the first step: Adam makes no state for it
+    optimizer.step()
+    assert not optimizer.state[masters[2]]
+    offloader = offloader_for(optimizer, masters, chunk_bytes=2000)
+    offloader.offload()
+    set_grads(optimizer, 1)
+    run_step(offloader)  # the plan was current at the start: its moments join their chunk
+    offloader.offload()
+    assert all(in_host_slab(offloader, optimizer.state[masters[2]][key]) for key in ("exp_avg", "exp_avg_sq"))
+    set_grads(optimizer, 2)
+    offloader.wait()
+    reference = [p.detach().clone() for p in masters]
+    run_step(offloader)
+    assert any(not torch.equal(p, r) for p, r in zip(masters, reference, strict=True))
