@@ -185,7 +185,7 @@ class OptimizerStateOffloader:
         (``False``: the training loop's points start them, a few at a time); ``kept_too``: kept chunks
         leave as well and stay kept (a sleep: the next step brings them back). A new set of state
         tensors (a load replaced them) gets a new plan first."""
-        if not self.state.current_after_step():
+        if not self.state.plan_is_current():
             self.state.refresh(self.wait)
         queued = self.queue_out(kept_too)
         if now:

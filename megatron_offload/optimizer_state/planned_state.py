@@ -52,7 +52,6 @@ class PlannedState:
         self.copies = copies  # the offloader's queue: drained before the slab is re-laid or freed
         self.plan = Plan()
         self.plan_dirty = True
-        self.adopted = False  # the step just run found the plan current and adopted what it made (see adopted_all)
         self.kept_bytes = 0  # state kept on the GPU, counting the moments to come (see count_plan)
         self.host_slab: HostSlab | None = None
         self._warned_shared: set[int] = set()
@@ -194,21 +193,10 @@ class PlannedState:
         self.plan, self.host_slab = Plan(), None
         self.count_plan()
 
-    def adopted_all(self) -> None:
-        """The streamed step found the plan current at its start and adopted every tensor it made into its
-        chunk: the offload right after that step needs no walk (``current_after_step``)."""
-        self.adopted = True
-
-    def current_after_step(self) -> bool:
-        """``plan_is_current()``, without its walk once right after a step that vouched for the plan."""
-        adopted, self.adopted = self.adopted, False
-        return (adopted and not self.plan_dirty and self.host_slab is not None) or self.plan_is_current()
-
     def plan_is_current(self) -> bool:
         """Every offloadable tensor is in the plan (the moments Adam's first step made were adopted into
         their chunks); then the plan is the state's. One walk over the state, unless nothing it rests on has
         a new identity since a walk found this plan current (``_identities``)."""
-        self.adopted = False  # walked now: what an earlier step vouched for is old
         if self.plan_dirty or self.host_slab is None:
             return False
         identities = self._identities()
@@ -226,7 +214,7 @@ class PlannedState:
         """What a walk's answer rests on, by identity: the state dict, the params in their groups, the values
         in their state (but the kept keys') and the loose masters. A new tensor (Adam's first step, one put in
         the state's place) has a new identity: the plan's entries hold every planned tensor, so none of theirs
-        is reused. About a tenth of a walk's host time, which the step pays twice an iteration."""
+        is reused. About a tenth of a walk's host time; the step and the offload after it check twice an iteration."""
         state, keep = self.optimizer.state, self.keep_state_keys
         return (
             id(state),
@@ -237,4 +225,4 @@ class PlannedState:
 
     def replaced(self) -> None:
         """The state's tensors may be new ones (a checkpoint load): the next offload plans afresh."""
-        self.plan_dirty, self.adopted, self._walked = True, False, None  # a load is not trusted to identities
+        self.plan_dirty, self._walked = True, None  # a load is not trusted to identities

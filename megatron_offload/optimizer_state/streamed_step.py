@@ -224,7 +224,6 @@ def run(
                 # on the host, once, wait for the oldest to land, so that step holds a few chunks too.
                 off.copies.drain(excess)
             staging.left(out.done if out is not None else None)
-        off.state.adopted_all()  # the plan was current at the start and every new tensor joined its chunk
         if window is not None:
             window.close()
     finally:
