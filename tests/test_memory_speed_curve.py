@@ -142,10 +142,10 @@ def test_rounds_run_every_row_again_in_turn_and_pool_its_iterations(
         return figures
 
     code, calls = run_sweep(monkeypatch, ["--out", str(tmp_path), "--caps", "90", "50", "--rounds", "2"], run)
-    assert code == 0
+    assert code == 0  # the second round in reverse
     assert [name.removeprefix("sweep-gbcfg-") for name, _ in calls] == [
-        "no-offload", "cap90-default", "cap50-default", "no-offload-round2", "cap90-default-round2",
-        "cap50-default-round2"]  # fmt: skip
+        "no-offload", "cap90-default", "cap50-default", "cap50-default-round2", "cap90-default-round2",
+        "no-offload-round2"]  # fmt: skip
     result = json.loads((tmp_path / "curve.json").read_text())
     assert result["rounds"] == 2
     assert result["no_offload"]["ms_per_iter"] == 630.0 and result["no_offload"]["ms_per_round"] == [600.0, 660.0]
@@ -156,6 +156,14 @@ def test_rounds_run_every_row_again_in_turn_and_pool_its_iterations(
     floor = 1 + (0.9 * STATE_GIB * GIB / 52e9 * 1e3 - forward) / 630.0
     assert result["caps"][1]["floor_x"] == pytest.approx(floor)
     assert "(rounds 700, 760)" in (tmp_path / "curve.txt").read_text()
+
+
+def test_a_third_round_runs_in_the_first_order_again(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    code, calls = run_sweep(monkeypatch, ["--out", str(tmp_path), "--caps", "90", "50", "--rounds", "3"], sweep_run())
+    assert code == 0
+    assert [name.removeprefix("sweep-gbcfg-") for name, _ in calls][6:] == [
+        "no-offload-round3", "cap90-default-round3", "cap50-default-round3"]  # fmt: skip
+    assert json.loads((tmp_path / "curve.json").read_text())["no_offload"]["ms_per_round"] == [600.0] * 3
 
 
 def test_rounds_must_be_one_or_more(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
