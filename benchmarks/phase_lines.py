@@ -10,9 +10,13 @@ import statistics
 from typing import Any, Protocol
 
 PREFIX = "phases (GPU/host ms):"
-ALLOCATOR_PREFIX = "allocator and host per phase (retries/maps/unmaps/gc ms/hooks ms):"
+ALLOCATOR_PREFIX = (
+    "allocator and host per phase (retries/maps/unmaps/gc ms/hooks ms/main thread cpu ms/other threads cpu ms):"
+)
 ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free")
-COUNTED = ("retries", "maps", "unmaps", "gc ms", "hooks ms")  # the fields of an allocator line
+# The fields of an allocator line. The main thread's CPU time beside its host ms tells a busy thread from one that
+# waited (for the GIL, the driver, the scheduler); the other threads' CPU time says whether any of them ran then.
+COUNTED = ("retries", "maps", "unmaps", "gc ms", "hooks ms", "main thread cpu ms", "other threads cpu ms")
 SKIPPED_LINES = 3  # the first iterations: the offloader learns, Megatron compiles
 
 
@@ -86,10 +90,12 @@ def counter_summary(
     text: str, fields: tuple[str, str] = ("retries", "maps"), skip: int = SKIPPED_LINES
 ) -> dict[str, list[float]]:
     """Per phase, the means of two ``fields`` (of COUNTED) over a log's allocator lines after the first ``skip``:
-    the same shape as ``summary``'s, so that ``table`` prints them."""
+    the same shape as ``summary``'s, so that ``table`` prints them. Lines of five fields (written before the CPU
+    times were counted) are read too, for their fields."""
     counts: dict[str, list[list[float]]] = {}
-    for text_line in [line for line in text.splitlines() if line.startswith(ALLOCATOR_PREFIX)][skip:]:
-        for phase, values in re.findall(r"(\w+)=([0-9.e+-]+(?:/[0-9.e+-]+){4})", text_line):
+    start = ALLOCATOR_PREFIX.split(" (")[0]  # the fields in parentheses vary with the log's age
+    for text_line in [line for line in text.splitlines() if line.startswith(start)][skip:]:
+        for phase, values in re.findall(r"(\w+)=([0-9.e+-]+(?:/[0-9.e+-]+){4,})", text_line):
             counts.setdefault(phase, []).append([float(value) for value in values.split("/")])
     picked = [COUNTED.index(field) for field in fields]
     return {phase: [statistics.mean(c[i] for c in rows) for i in picked] for phase, rows in counts.items()}

@@ -22,8 +22,9 @@ completed, read without waiting; the rest at exit.
     python -m benchmarks.phases --allocator SCRIPT [ARGS...]
                                                      also, per phase, the caching allocator's retries (each
                                                      synchronizes every stream), its calls that mapped and
-                                                     unmapped device memory, and the host's ms in Python's
-                                                     garbage collector and in this project's hooks, a second line
+                                                     unmapped device memory, the host's ms in Python's
+                                                     garbage collector and in this project's hooks, and the CPU
+                                                     ms of the main thread and of all others, a second line
     python -m benchmarks.phases --snapshot-oom PATH SCRIPT [ARGS...]
                                                      where an allocation fails, the allocator's snapshot then
                                                      (PATH-oom.pickle) and the Python stack that asked (PATH-oom.txt)
@@ -225,7 +226,10 @@ def main(argv: list[str]) -> int:
     def counters() -> tuple[float, ...]:
         stats = torch._C._cuda_memoryStats(torch.cuda.current_device())
         allocator = tuple(int(stats.get(name, 0)) for name in ALLOCATOR_COUNTERS)
-        return (*allocator, round(host_ms["gc"], 2), round(host_ms["hooks"], 2))
+        # Both clocks are the kernel's per-thread and per-process CPU time: a call each, no /proc walk.
+        main_cpu, all_cpu = time.thread_time() * 1e3, time.process_time() * 1e3
+        hosts = (host_ms["gc"], host_ms["hooks"], main_cpu, all_cpu - main_cpu)
+        return (*allocator, *(round(ms, 2) for ms in hosts))
 
     def first_iteration() -> None:
         # Not before: attaching starts the allocator, which reads its settings (expandable segments) once.

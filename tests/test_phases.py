@@ -121,7 +121,8 @@ def test_the_sweep_prints_each_caps_phases_beside_no_offloads(monkeypatch: pytes
 def test_the_allocator_line_gives_what_each_counter_grew_by_in_each_phase(marked) -> None:
     marks, training, said, _ = marked
     readings = iter(range(0, 10_000, 7))
-    marks.counters = lambda: (next(readings), 0, 3, 0.5 * len(marks.current), 2.0)  # retries grow by 7 a mark
+    cpu = iter(range(0, 10_000, 4))  # the main thread's CPU ms grow by 4 a mark, the others' stay at 1
+    marks.counters = lambda: (next(readings), 0, 3, 0.5 * len(marks.current), 2.0, next(cpu), 1.0)  # retries: by 7
     started: list[int] = []
     marks.first_iteration = lambda: started.append(marks.iterations)  # where --snapshot-oom attaches
     training.train_step(2)
@@ -129,12 +130,16 @@ def test_the_allocator_line_gives_what_each_counter_grew_by_in_each_phase(marked
     marks.at_exit()
     assert started == [1]  # once, as the first iteration starts (CUDA is set up by then)
     assert said[0].startswith(phase_lines.PREFIX) and said[1].startswith(phase_lines.ALLOCATOR_PREFIX)
-    assert "F1=7/0/0/0.5/0" in said[1] and "step=7/0/0/0.5/0" in said[1]
+    assert "F1=7/0/0/0.5/0/4/0" in said[1] and "step=7/0/0/0.5/0/4/0" in said[1]
     retries = phase_lines.counter_summary("\n".join(said), skip=0)
     assert retries["F1"] == [7, 0] and list(retries)[:3] == ["pre", "x", "F1"]
     host_fields = ("gc ms", "hooks ms")
     host = phase_lines.counter_summary("\n".join(said), host_fields, skip=0)
     assert host["B1"] == [0.5, 0.0]
+    cpu = phase_lines.counter_summary("\n".join(said), ("main thread cpu ms", "other threads cpu ms"), skip=0)
+    assert cpu["F1"] == [4.0, 0.0]
+    five = "allocator and host per phase (retries/maps/unmaps/gc ms/hooks ms): F1=2/1/0/0.25/3.5"  # an older log
+    assert phase_lines.counter_summary(five, ("retries", "hooks ms"), skip=0) == {"F1": [2.0, 3.5]}
 
 
 def test_options_before_the_script_combine_in_any_order() -> None:
