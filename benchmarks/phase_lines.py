@@ -1,22 +1,29 @@
 """The lines benchmarks/phases.py prints, and reading them back: each iteration's GPU and host milliseconds per
 phase, the allocator's and the host's counters per phase, their medians or means over a log, and a table of
-runs side by side (the sweep's text uses it too)."""
+runs side by side (the sweep's text uses it too); and the one host reading of an allocator line that is not a
+clock call (the main thread's runqueue time)."""
 
 from __future__ import annotations
 
 import itertools
 import re
 import statistics
+from pathlib import Path
 from typing import Any, Protocol
 
 PREFIX = "phases (GPU/host ms):"
 ALLOCATOR_PREFIX = (
-    "allocator and host per phase (retries/maps/unmaps/gc ms/hooks ms/main thread cpu ms/other threads cpu ms):"
+    "allocator and host per phase (retries/maps/unmaps/gc ms/hooks ms/main thread cpu ms/other threads cpu ms/"
+    "main thread runqueue ms):"
 )
 ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free")
 # The fields of an allocator line. The main thread's CPU time beside its host ms tells a busy thread from one that
-# waited (for the GIL, the driver, the scheduler); the other threads' CPU time says whether any of them ran then.
-COUNTED = ("retries", "maps", "unmaps", "gc ms", "hooks ms", "main thread cpu ms", "other threads cpu ms")
+# waited; its runqueue time, a wait for a core from a wait for the GIL or the driver; the other threads' CPU time
+# whether any of them ran then.
+COUNTED = (
+    "retries", "maps", "unmaps", "gc ms", "hooks ms", "main thread cpu ms", "other threads cpu ms",
+    "main thread runqueue ms",
+)  # fmt: skip
 SKIPPED_LINES = 3  # the first iterations: the offloader learns, Megatron compiles
 
 
@@ -99,3 +106,12 @@ def counter_summary(
             counts.setdefault(phase, []).append([float(value) for value in values.split("/")])
     picked = [COUNTED.index(field) for field in fields]
     return {phase: [statistics.mean(c[i] for c in rows) for i in picked] for phase, rows in counts.items()}
+
+
+def runqueue_ms(schedstat: Path = Path("/proc/thread-self/schedstat")) -> float:
+    """Milliseconds the calling thread has stood runnable without a CPU (Linux schedstat's second field, in ns),
+    0 where the kernel keeps none."""
+    try:
+        return int(schedstat.read_text().split()[1]) / 1e6
+    except (OSError, IndexError, ValueError):
+        return 0.0

@@ -23,8 +23,9 @@ completed, read without waiting; the rest at exit.
                                                      also, per phase, the caching allocator's retries (each
                                                      synchronizes every stream), its calls that mapped and
                                                      unmapped device memory, the host's ms in Python's
-                                                     garbage collector and in this project's hooks, and the CPU
-                                                     ms of the main thread and of all others, a second line
+                                                     garbage collector and in this project's hooks, the CPU ms
+                                                     of the main thread and of all others, and the main thread's
+                                                     ms runnable without a CPU, a second line
     python -m benchmarks.phases --snapshot-oom PATH SCRIPT [ARGS...]
                                                      where an allocation fails, the allocator's snapshot then
                                                      (PATH-oom.pickle) and the Python stack that asked (PATH-oom.txt)
@@ -47,7 +48,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.phase_lines import ALLOCATOR_COUNTERS, Event, Mark, counter_line, line, summary, table
+from benchmarks.phase_lines import ALLOCATOR_COUNTERS, Event, Mark, counter_line, line, runqueue_ms, summary, table
 
 
 class Marks:
@@ -226,9 +227,10 @@ def main(argv: list[str]) -> int:
     def counters() -> tuple[float, ...]:
         stats = torch._C._cuda_memoryStats(torch.cuda.current_device())
         allocator = tuple(int(stats.get(name, 0)) for name in ALLOCATOR_COUNTERS)
-        # Both clocks are the kernel's per-thread and per-process CPU time: a call each, no /proc walk.
+        # The kernel's per-thread and per-process CPU clocks (a call each, no /proc walk), and the time this
+        # thread stood runnable without a core (schedstat's second field, ns; 0 where the kernel keeps none).
         main_cpu, all_cpu = time.thread_time() * 1e3, time.process_time() * 1e3
-        hosts = (host_ms["gc"], host_ms["hooks"], main_cpu, all_cpu - main_cpu)
+        hosts = (host_ms["gc"], host_ms["hooks"], main_cpu, all_cpu - main_cpu, runqueue_ms())
         return (*allocator, *(round(ms, 2) for ms in hosts))
 
     def first_iteration() -> None:

@@ -122,7 +122,7 @@ def test_the_allocator_line_gives_what_each_counter_grew_by_in_each_phase(marked
     marks, training, said, _ = marked
     readings = iter(range(0, 10_000, 7))
     cpu = iter(range(0, 10_000, 4))  # the main thread's CPU ms grow by 4 a mark, the others' stay at 1
-    marks.counters = lambda: (next(readings), 0, 3, 0.5 * len(marks.current), 2.0, next(cpu), 1.0)  # retries: by 7
+    marks.counters = lambda: (next(readings), 0, 3, 0.5 * len(marks.current), 2.0, next(cpu), 1.0, 0.0)  # retries: 7
     started: list[int] = []
     marks.first_iteration = lambda: started.append(marks.iterations)  # where --snapshot-oom attaches
     training.train_step(2)
@@ -130,7 +130,7 @@ def test_the_allocator_line_gives_what_each_counter_grew_by_in_each_phase(marked
     marks.at_exit()
     assert started == [1]  # once, as the first iteration starts (CUDA is set up by then)
     assert said[0].startswith(phase_lines.PREFIX) and said[1].startswith(phase_lines.ALLOCATOR_PREFIX)
-    assert "F1=7/0/0/0.5/0/4/0" in said[1] and "step=7/0/0/0.5/0/4/0" in said[1]
+    assert "F1=7/0/0/0.5/0/4/0/0" in said[1] and "step=7/0/0/0.5/0/4/0/0" in said[1]
     retries = phase_lines.counter_summary("\n".join(said), skip=0)
     assert retries["F1"] == [7, 0] and list(retries)[:3] == ["pre", "x", "F1"]
     host_fields = ("gc ms", "hooks ms")
@@ -165,3 +165,10 @@ def test_the_hooks_timed_include_what_the_gradients_finalize_starts(monkeypatch:
     finalize = finalize_prefetch.PrefetchOnFinalize(lambda: "finalized", undecided)
     assert finalize() == "finalized"  # the wrapper looks the function up at each call: the timed one ran
     assert host_ms["hooks"] > 0
+
+
+def test_the_runqueue_reading_is_schedstats_second_field_in_milliseconds(tmp_path: Path) -> None:
+    schedstat = tmp_path / "schedstat"
+    schedstat.write_text("91000000 4500000 17\n")  # on a CPU, runnable without one (ns), timeslices
+    assert phase_lines.runqueue_ms(schedstat) == 4.5
+    assert phase_lines.runqueue_ms(tmp_path / "missing") == 0.0  # a kernel without schedstats
