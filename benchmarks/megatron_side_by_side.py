@@ -18,8 +18,9 @@ first on ``PYTHONPATH`` so that its megatron.core shadows the installed one; sam
 offload and ``--chunked-optimizer-state-offload``. Their ratios and losses are to upstream's own
 no-offload row.
 
-``--rounds N`` runs every row of the matrix that ran N times, in turn (the machine's pace drifts over a call):
-each row's ms/iter is the median of its counted iterations from all rounds, each round's own beside it.
+``--rounds N`` runs every row of the matrix that ran N times, in turn, every second round in reverse order (the
+machine's pace drifts over a call): each row's ms/iter is the median of its counted iterations from all rounds,
+each round's own beside it.
 
 ``--profile [NAME ...]`` adds a separate, profiled run of each named row (default: no offload, full
 offload, prefetch step and, with upstream, its two rows) at the first log interval, under Megatron's
@@ -60,7 +61,7 @@ from benchmarks import memory_speed_curve as curve
 from benchmarks import memory_speed_sweep
 from benchmarks.side_by_side_args import parse_args
 from benchmarks.side_by_side_profile import run_profiled
-from benchmarks.side_by_side_rounds import pool, round_name
+from benchmarks.side_by_side_rounds import in_turn, pool, round_name
 from benchmarks.side_by_side_rows import (
     MATRIX,
     MEANT_TO_FAIL,
@@ -80,7 +81,7 @@ from megatron_offload.core.units import cap_below_peak
 
 def run_matrix(args: argparse.Namespace, results: dict[str, Any], clients: dict[str, list[str]], env: dict) -> None:
     """The matrix at every log interval, our rows then upstream's, each compared with its own base; with
-    ``--rounds N``, every row that ran in the first round runs N - 1 times more, in the same order, and each
+    ``--rounds N``, every row that ran in the first round runs N - 1 times more, in turn (``in_turn``), and each
     row's rounds are pooled (side_by_side_rounds.py). A row that failed in the first round is not run again."""
     upstream_rows = selected_upstream_rows(set(args.only or ()), "upstream" in clients)
     for interval in args.log_intervals:
@@ -111,8 +112,8 @@ def run_matrix(args: argparse.Namespace, results: dict[str, Any], clients: dict[
             ran[name] = ([*clients["upstream"], *tail, *flags], env, {})
             runs[name] = job.run(round_name(interval, slug(name), 1), ran[name][0], args.gpus, args.out, env)
         rounds = {name: [figures] for name, figures in runs.items() if name in ran and "error" not in figures}
-        for round_ in range(2, args.rounds + 1):  # the same runs again, in the same order
-            for name in rounds:
+        for round_ in range(2, args.rounds + 1):  # the same runs again, every second round in reverse
+            for name in in_turn(list(rounds), round_):
                 run_argv, run_env, added = ran[name]
                 again = job.run(round_name(interval, slug(name), round_), run_argv, args.gpus, args.out, run_env)
                 rounds[name].append(again | added)

@@ -26,6 +26,7 @@ from benchmarks.memory_speed_curve import (
     plot,
     pooled_cell,
 )
+from benchmarks.side_by_side_rounds import in_turn
 
 
 def run_sweep(
@@ -37,7 +38,7 @@ def run_sweep(
     head: dict[str, Any],
 ) -> dict[str, Any]:
     """The sweep: uncapped no offload (and upstream), then ours under each cap; with ``--rounds N``, no offload
-    and ours under each cap N - 1 times more, in turn, every other round in reverse order, each row's
+    and ours under each cap N - 1 times more, in turn (``in_turn``: every second round in reverse), each row's
     iterations pooled over its rounds (the machine's pace drifts over a call: every row then spans it alike).
     JSON and plot after each cap and each round. ``run`` is the harness's job runner; ``flags`` its "ours" and
     "upstream" offload flags."""
@@ -127,16 +128,12 @@ def run_sweep(
             argv = [*clients["ours"], *tail, "--offload-gpu-memory-cap-gib", f"{plan['cap_GiB']:.3f}"]
             capped_no_offload[plan["percent"]] = go(f"cap{plan['percent']}-no-offload", argv)
         tabulate(plans[: index + 1])
-    for round_ in range(2, args.rounds + 1):
-        # The same runs again, every other round in reverse (the last row of one round first in the next):
-        # a pace drifting one way over the call then weighs on every row alike, to first order.
-        ahead = round_ % 2 == 1
-        if ahead:
-            runs[NO_OFFLOAD].append(go(f"no-offload-round{round_}", [*clients["ours"], *tail]))
-        for plan in plans if ahead else plans[::-1]:
-            ours(plan, f"-round{round_}")
-        if not ahead:
-            runs[NO_OFFLOAD].append(go(f"no-offload-round{round_}", [*clients["ours"], *tail]))
+    for round_ in range(2, args.rounds + 1):  # the same runs again, every second round in reverse
+        for plan in in_turn([None, *plans], round_):
+            if plan is None:
+                runs[NO_OFFLOAD].append(go(f"no-offload-round{round_}", [*clients["ours"], *tail]))
+            else:
+                ours(plan, f"-round{round_}")
         tabulate(plans)
     return result
 

@@ -1,9 +1,9 @@
 """The matrix's rows run several times in turn (megatron_side_by_side.py ``--rounds``), pooled into one row each.
 
 The machine's pace drifts over a call by more than a row's cost: run one after another, two rows that do the same
-work can differ by 10%. Run in turn, each row once per round, every row meets the same drift; each row's counted
-iterations (``megatron_job.steady``) from all its rounds make its median, and each round's own median stays beside
-it, to show the drift."""
+work can differ by 10%. Run in turn, each row once per round, every second round in reverse order (``in_turn``),
+every row meets the same drift, to first order; each row's counted iterations (``megatron_job.steady``) from all
+its rounds make its median, and each round's own median stays beside it, to show the drift."""
 
 from __future__ import annotations
 
@@ -12,7 +12,13 @@ from typing import Any
 from benchmarks.megatron_job import steady
 from benchmarks.memory_speed_curve import highest_peaks, pooled_medians
 
-__all__ = ["pool", "round_name"]
+__all__ = ["in_turn", "pool", "round_name"]
+
+
+def in_turn(rows: list[Any], round_: int) -> list[Any]:
+    """The order of round ``round_``'s runs (from 1): odd rounds as given, even ones in reverse, so that the row
+    run last in one round runs first in the next and a pace drifting one way over the call weighs on each alike."""
+    return list(rows) if round_ % 2 else list(rows)[::-1]
 
 
 def round_name(interval: int, row: str, round_: int) -> str:
