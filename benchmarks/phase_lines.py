@@ -12,10 +12,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 PREFIX = "phases (GPU/host ms):"
-ALLOCATOR_PREFIX = (
-    "allocator and host per phase (retries/maps/unmaps/gc ms/hooks ms/main thread cpu ms/other threads cpu ms/"
-    "main thread runqueue ms):"
-)
+ALLOCATOR_LINE = "allocator and host per phase"  # then its fields (COUNTED) in parentheses
 ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free")
 # The fields of an allocator line. The main thread's CPU time beside its host ms tells a busy thread from one that
 # waited; its runqueue time, a wait for a core from a wait for the GIL or the driver; the other threads' CPU time
@@ -24,6 +21,7 @@ COUNTED = (
     "retries", "maps", "unmaps", "gc ms", "hooks ms", "main thread cpu ms", "other threads cpu ms",
     "main thread runqueue ms",
 )  # fmt: skip
+ALLOCATOR_PREFIX = f"{ALLOCATOR_LINE} ({'/'.join(COUNTED)}):"
 SKIPPED_LINES = 3  # the first iterations: the offloader learns, Megatron compiles
 
 
@@ -100,8 +98,8 @@ def counter_summary(
     the same shape as ``summary``'s, so that ``table`` prints them. Lines of five fields (written before the CPU
     times were counted) are read too, for their fields."""
     counts: dict[str, list[list[float]]] = {}
-    start = ALLOCATOR_PREFIX.split(" (")[0]  # the fields in parentheses vary with the log's age
-    for text_line in [line for line in text.splitlines() if line.startswith(start)][skip:]:
+    # By ALLOCATOR_LINE: the fields in parentheses vary with the log's age.
+    for text_line in [line for line in text.splitlines() if line.startswith(ALLOCATOR_LINE)][skip:]:
         for phase, values in re.findall(r"(\w+)=([0-9.e+-]+(?:/[0-9.e+-]+){4,})", text_line):
             counts.setdefault(phase, []).append([float(value) for value in values.split("/")])
     picked = [COUNTED.index(field) for field in fields]
