@@ -18,10 +18,11 @@ from megatron_offload.optimizer_state.scheduler import StateScheduler
 __all__ = ["Handle", "RoomForForward", "allocated_bytes", "sampled"]
 
 SAMPLES = 64  # hooks per backward, and per forward
-# With copies out pending a forward reads memory at every hook. With none it reads (tens of microseconds of
-# host time, which the GPU waits for where the loop is host-bound) at its first hook after a step, then at
-# every READ_EVERY-th, or every READ_SPARSE-th while the last reading left room for the rest of the forward
-# and a whole forward's growth twice over: enough to see a forward grow.
+# A forward reads memory (tens of microseconds of host time, which the GPU waits for where the loop is
+# host-bound) at its first hook after a step, then at every READ_EVERY-th, or every READ_SPARSE-th while the
+# last reading left room for the rest of the forward and a whole forward's growth twice over: enough to see a
+# forward grow. Between readings, hooks with copies out pending go by the last reading and what the first
+# iteration added since then.
 READ_EVERY = 4
 READ_SPARSE = 32
 LOOKAHEAD = 2  # hooks ahead a forward makes room for: what one module allocates and frees between hooks
@@ -54,11 +55,13 @@ class RoomForForward:
     hook). Later forwards give back, at each hook, just the copies out that the forward needs room for up
     to ``LOOKAHEAD`` hooks on, by that profile (from where it reached its top, a backward follows: up to the
     natural peak). The compute stream waits for those copies on the device, never the host, and the other
-    copies run beside the forward. If allocated now plus what the rest of the first forward added would
-    pass the limit even with every copy out landed (the workload grew), every copy out is given back and
-    kept state goes too: slower, never out of memory where offloading fits. With nothing leaving, memory is
-    read every few hooks (``READ_EVERY``, ``READ_SPARSE``): a forward that grew is seen at the next reading; with
-    nothing moving at all (the handle's ``quiet``: the whole state kept), the hooks between readings return at once.
+    copies run beside the forward. Memory is read every few hooks (``READ_EVERY``, ``READ_SPARSE``); a hook
+    between readings takes what the training holds as the last reading plus the most the first iteration
+    added from that hook to this one (``naturals``): as read where the forward repeats the first, never less.
+    If a reading plus what the rest of the first forward added would pass the limit even with every copy out
+    landed (the workload grew), every copy out is given back and kept state goes too: slower, never out of
+    memory where offloading fits; a forward that grew is seen at the next reading. With nothing moving at all
+    (the handle's ``quiet``: the whole state kept), the hooks between readings return at once.
     Given a ``clock``, each first forward is also timed, on the device, from its first hook to its last
     (``first_forward_ms``, the shortest so far).
 
@@ -91,6 +94,8 @@ class RoomForForward:
         self.calls = 0
         self.learning = True  # the first iteration: record the profile
         self.profile: list[int] = []  # highest natural reading up to each hook of the first iteration
+        self.naturals: list[int] = []  # the natural reading at each hook of the first iteration
+        self.last_read = (0, 0)  # this iteration's latest reading: its hook (index) and what training held then
         self.peaks: list[int] = []  # the allocator's highest allocation so far at each hook (between hooks too)
         self.top = 0  # the first hook where the profile reached its highest reading
         self.next_read = 0  # with nothing leaving, the hook (``calls``) whose memory is read next
@@ -117,6 +122,7 @@ class RoomForForward:
         if self.learning:
             pending = self.handle.pending_offload_bytes()
             natural = allocated_bytes() - pending - self.handle.kept_bytes()
+            self.naturals.append(natural)
             self.profile.append(max(natural, self.profile[-1] if self.profile else natural))
             self.peaks.append(allocated_bytes(peak=True) - pending - self.handle.kept_bytes())
             if pending:  # nothing learned yet: let everything land first
@@ -125,21 +131,36 @@ class RoomForForward:
             return
         pending = self.handle.pending_offload_bytes()
         if not self.profile or (self.calls < self.next_read and not pending):
-            return  # nothing leaving: a reading every few hooks is enough to see a forward grow
+            return  # nothing leaving and no reading due: a reading every few hooks is enough to see a forward grow
         headroom = self.handle.scheduler.headroom()
         index = min(self.calls, len(self.profile)) - 1
-        allocated = allocated_bytes()
-        grown = allocated - pending + self.profile[-1] - self.profile[index] - headroom
-        growth = self.profile[-1] - self.profile[0]  # what one forward adds, by the profile
-        self.next_read = self.calls + (READ_SPARSE if -grown >= 2 * growth else READ_EVERY)
-        if grown > 0:
-            if pending:
-                self._release(None)
-            if self.handle.kept_bytes():
-                self.handle.evict(grown)  # kept state out for good: the scheduler re-chooses after the step
-                self._release(None)
-        elif pending and allocated + self._ahead(index) > headroom:
+        kept = self.handle.kept_bytes()
+        if self.calls >= self.next_read:
+            natural = allocated_bytes() - pending - kept
+            self.last_read = (index, natural)
+            grown = natural + kept + self.profile[-1] - self.profile[index] - headroom
+            growth = self.profile[-1] - self.profile[0]  # what one forward adds, by the profile
+            self.next_read = self.calls + (READ_SPARSE if -grown >= 2 * growth else READ_EVERY)
+            if grown > 0:
+                if pending:
+                    self._release(None)
+                if kept:
+                    self.handle.evict(grown)  # kept state out for good: the scheduler re-chooses after the step
+                    self._release(None)
+                return
+        else:
+            natural = self._since_read(index)
+        allocated = natural + pending + kept
+        if pending and allocated + self._ahead(index) > headroom:
             self._release(min(pending, allocated + self._ahead(index) - headroom))
+
+    def _since_read(self, index: int) -> int:
+        """What training holds at hook ``index`` between readings: the latest reading plus the most the first
+        iteration added from that reading's hook up to this one (none where it only freed)."""
+        read, natural = self.last_read
+        if index <= read:
+            return natural
+        return natural + max(0, max(self.naturals[read + 1 : index + 1]) - self.naturals[read])
 
     def _ahead(self, index: int) -> int:
         """What the forward adds from hook ``index`` to ``LOOKAHEAD`` hooks on, by the first forward's

@@ -2,8 +2,9 @@
 offloads a ledger the hooks drain or release. What it proves: the first forward records the profile and
 lets everything land; a later forward as forecast never waits; one that starts with more copies out than
 its peak has room for releases them a few at a time, each just ahead of the memory it needs, never on
-the host; one that grew releases just what it needs, then offloads kept state; with nothing leaving, memory is
-read every few hooks, a growth seen at the next reading, and with room to spare readings are few; hooks sit on
+the host, going between readings by the latest one and what the first iteration added since; one that grew
+releases just what it needs, then offloads kept state; memory is read every few hooks, a growth seen at the
+next reading, and with room to spare readings are few; hooks sit on
 about SAMPLES modules and each lets the copies move.
 Where some memory is in fixed-size segments, no pacing: the step's end waits, and a hook waits on the host
 for the forward's whole room."""
@@ -163,9 +164,10 @@ def test_what_a_module_allocates_and_frees_between_hooks_is_made_room_for_too(ro
     assert ledger.released and PROFILE[1] + 3 * GIB + ledger.pending_offload_bytes() <= headroom
 
 
-def test_a_forward_that_grew_waits_for_just_what_it_needs_then_evicts(room) -> None:
+def test_a_forward_that_grew_waits_for_just_what_it_needs_then_evicts(room, monkeypatch) -> None:
     hooks, ledger, allocated, model = room
-    learn(hooks, ledger, allocated, model)  # with copies out pending every hook reads: seen where it happens
+    monkeypatch.setattr(pacing, "READ_EVERY", 1)  # every hook reads: the growth is seen where it happens
+    learn(hooks, ledger, allocated, model)
     scheduler = ledger.scheduler
     ledger.pieces = [128 * MIB] * 8  # 1 GiB pending
     ledger.kept = GIB
@@ -196,6 +198,36 @@ def test_with_nothing_leaving_a_forward_that_grew_is_seen_at_the_next_reading(ro
             assert ledger.evicted == [] and ledger.kept == GIB
     assert ledger.evicted and ledger.kept == 0  # hook 3 read it: kept state went, and its copy out was released
     assert ledger.released[-1] is None and ledger.drained == []
+
+
+def test_between_readings_copies_out_are_paced_by_the_last_reading_and_the_first_iteration(room, monkeypatch) -> None:
+    hooks, ledger, allocated, model = room
+    reads = {"n": 0}
+    reading = pacing.allocated_bytes
+
+    def counted(peak: bool = False) -> int:
+        reads["n"] += not peak
+        return reading(peak)
+
+    monkeypatch.setattr(pacing, "allocated_bytes", counted)
+    monkeypatch.setattr(pacing, "READ_EVERY", 2)
+    learn(hooks, ledger, allocated, model)
+    scheduler = ledger.scheduler
+    headroom = scheduler.limit() - scheduler.caching_gap - scheduler.margin()
+    ledger.pieces = [256 * MIB] * 12  # 3 GiB out, more than the peak leaves room for
+    reads["n"] = 0
+    for index, layer in enumerate(model[:2]):  # as the first iteration: hook 1 reads, hook 2 goes by it
+        allocated["bytes"] = PROFILE[index] + ledger.pending_offload_bytes()
+        layer(torch.zeros(1, 2))
+        ahead = PROFILE[min(index + pacing.LOOKAHEAD, 3)] - PROFILE[index]
+        assert PROFILE[index] + ledger.pending_offload_bytes() + ahead <= headroom  # paced as if read
+    assert reads["n"] == 1 and ledger.released and None not in ledger.released and ledger.drained == []
+    # From hook 3 on the forward holds 2 GiB more than the first one did, and more than all still pending: the
+    # reading at hook 3 sees it, gives back every copy out and sends the kept state out after them.
+    ledger.kept = GIB
+    allocated["bytes"] = PROFILE[2] + 2 * GIB + ledger.pending_offload_bytes() + ledger.kept
+    model[2](torch.zeros(1, 2))
+    assert reads["n"] == 2 and ledger.evicted and ledger.released[-1] is None and ledger.drained == []
 
 
 def readings_in_two_iterations(limit: int, monkeypatch: pytest.MonkeyPatch) -> int:
