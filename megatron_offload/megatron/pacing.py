@@ -98,7 +98,7 @@ class RoomForForward:
         self.last_read = (0, 0)  # this iteration's latest reading: its hook (index) and what training held then
         self.peaks: list[int] = []  # the allocator's highest allocation so far at each hook (between hooks too)
         self.top = 0  # the first hook where the profile reached its highest reading
-        self.next_read = 0  # with nothing leaving, the hook (``calls``) whose memory is read next
+        self.next_read = 0  # the hook (``calls``) whose memory is read next
         self.waited = 0  # times a forward had the compute stream wait for copies out (for tests and the log)
         self.first_forward_ms: float | None = None  # the shortest first forward so far, first hook to last
         self._marks: list[Any] = []  # this iteration's first forward: events at its first and last hook
