@@ -95,7 +95,7 @@ class RoomForForward:
         self.learning = True  # the first iteration: record the profile
         self.profile: list[int] = []  # highest natural reading up to each hook of the first iteration
         self.naturals: list[int] = []  # the natural reading at each hook of the first iteration
-        self.last_read = (0, 0)  # this iteration's latest reading: its hook (index) and what training held then
+        self.last_read = (0, 0)  # this iteration's latest reading: its hook (index), what training and kept state held
         self.peaks: list[int] = []  # the allocator's highest allocation so far at each hook (between hooks too)
         self.top = 0  # the first hook where the profile reached its highest reading
         self.next_read = 0  # the hook (``calls``) whose memory is read next
@@ -134,33 +134,33 @@ class RoomForForward:
             return  # nothing leaving and no reading due: a reading every few hooks is enough to see a forward grow
         headroom = self.handle.scheduler.headroom()
         index = min(self.calls, len(self.profile)) - 1
-        kept = self.handle.kept_bytes()
         if self.calls >= self.next_read:
-            natural = allocated_bytes() - pending - kept
-            self.last_read = (index, natural)
-            grown = natural + kept + self.profile[-1] - self.profile[index] - headroom
+            held = allocated_bytes() - pending  # training's and the kept state's, without the copies out
+            self.last_read = (index, held)
+            grown = held + self.profile[-1] - self.profile[index] - headroom
             growth = self.profile[-1] - self.profile[0]  # what one forward adds, by the profile
             self.next_read = self.calls + (READ_SPARSE if -grown >= 2 * growth else READ_EVERY)
             if grown > 0:
                 if pending:
                     self._release(None)
-                if kept:
+                if self.handle.kept_bytes():
                     self.handle.evict(grown)  # kept state out for good: the scheduler re-chooses after the step
                     self._release(None)
                 return
         else:
-            natural = self._since_read(index)
-        allocated = natural + pending + kept
+            # Kept state evicted since the reading counts twice (in it and pending) until the next: more room.
+            held = self._since_read(index)
+        allocated = held + pending
         if pending and allocated + self._ahead(index) > headroom:
             self._release(min(pending, allocated + self._ahead(index) - headroom))
 
     def _since_read(self, index: int) -> int:
-        """What training holds at hook ``index`` between readings: the latest reading plus the most the first
-        iteration added from that reading's hook up to this one (none where it only freed)."""
-        read, natural = self.last_read
+        """What training and kept state hold at hook ``index`` between readings: the latest reading plus the most
+        the first iteration added from that reading's hook up to this one (none where it only freed)."""
+        read, held = self.last_read
         if index <= read:
-            return natural
-        return natural + max(0, max(self.naturals[read + 1 : index + 1]) - self.naturals[read])
+            return held
+        return held + max(0, max(self.naturals[read + 1 : index + 1]) - self.naturals[read])
 
     def _ahead(self, index: int) -> int:
         """What the forward adds from hook ``index`` to ``LOOKAHEAD`` hooks on, by the first forward's
