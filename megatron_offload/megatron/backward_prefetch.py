@@ -10,9 +10,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from megatron_offload.core.gpu_memory import allocator_retries
 from megatron_offload.core.units import MIB
-from megatron_offload.megatron.pacing import Handle, allocated_bytes, sampled
+from megatron_offload.megatron.pacing import Handle, allocated_bytes, read_memory, sampled
 
 __all__ = ["PrefetchDuringBackward"]
 
@@ -33,7 +32,13 @@ class PrefetchDuringBackward:
     - in the last backward also into what backward frees, less a learned margin for temporaries no
       reading sees (twice the most memory freed between two readings: one layer's activations);
     - bounded at the step, whose own tensors (fp32 grads, Adam's temporaries, staging) come on top of
-      what came back and of all kept state: what the step holds at its start without state is learned too.
+      what came back and of all kept state: what the step holds at its start without state is learned too;
+    - in the last backward, beyond what the step leaves to the forward (``handle.left_to_forward()``, what
+      coming back early is worth, see below), only into memory the allocator could still map under the limit
+      (``scheduler.spare``): the memory backward frees stays mapped in blocks of its own sizes, so room counted
+      in allocated bytes may be room in no block that fits, and then the backward's own next request (one
+      micro-batch's attention scores) found no room under the cap. And nothing more once the allocator
+      retried in this backward: the cap is reached in the blocks it has.
     The first iteration that samples only learns.
 
     What does not come back early starts back as the step begins (``finalize_prefetch.bring_back_for_step``)
@@ -70,6 +75,8 @@ class PrefetchDuringBackward:
         self.early_limit: int | None = None  # so most bytes back during this iteration's backwards; None: no bound
         self.retries_before: int | None = None  # the allocator's retries as this last backward was first read
         self.retrying = 0  # last backwards in a row that brought state back and made the allocator retry
+        self.worth = 0  # bytes coming back early is worth: what the step leaves to the forward (new_iteration)
+        self.stopped = False  # the allocator retried in this last backward: nothing more comes back in it
         self.first_param: int | None = None  # id of the param whose gradient is ready first in a backward
         self.backwards = 0  # backwards begun in this iteration
         self.backwards_per_iteration: int | None = None
@@ -91,18 +98,22 @@ class PrefetchDuringBackward:
         if not self.moving or per_iteration is None or self.backwards < per_iteration - 1:
             return
         last = self.backwards == per_iteration and self.in_last_microbatch()
+        reading = None
         if last and not self.sampled:
-            self.retries_before = allocator_retries()
-            self.sampled = True
+            reading = read_memory()
+            self.retries_before, self.sampled = reading.retries, True
         bound = self._step_bound()
-        if self.brought >= self.moving or (bound is not None and bound < self.smallest):
+        if self.stopped or self.brought >= self.moving or (bound is not None and bound < self.smallest):
             # Nothing can come back before the step: no reading (each costs tens of microseconds of the
             # backward's host time, which the GPU waits for where the loop is host-bound).
             return
         # Only the last backward reads memory: the next-to-last one's room is the forward's natural peak's.
-        allocated = allocated_bytes() if last else None
-        if allocated is not None:
-            natural = allocated - self.brought
+        if last:
+            reading = reading or read_memory()
+            if reading.retries > (self.retries_before or 0):
+                self.stopped = True  # the allocator retried in this backward: its blocks are at the cap
+                return
+            natural = reading.allocated - self.brought
             if self.previous is not None:
                 self.largest_drop = max(self.largest_drop, self.previous - natural)
             self.previous = natural
@@ -111,8 +122,10 @@ class PrefetchDuringBackward:
             return
         handle, scheduler = self.handle, self.handle.scheduler
         room = scheduler.room() - handle.kept_bytes() - handle.pending_offload_bytes() - self.brought
-        if allocated is not None:
-            room = max(room, scheduler.backward_room(allocated) - self.margin)
+        if reading is not None:
+            room = max(room, scheduler.backward_room(reading.allocated) - self.margin)
+            # Beyond what coming back early is worth, only what the allocator can map without a retry.
+            room = min(room, max(self.worth - self.brought, scheduler.spare(reading.reserved) - self.margin))
         room = min(room, bound)
         # A call that could bring nothing back (room for no chunk) walks every chunk for naught, in the
         # backward's thread, at every hook.
@@ -136,7 +149,7 @@ class PrefetchDuringBackward:
         back during the last backward made the allocator retry."""
         if self.retries_before is None:  # the last backward was not read
             return
-        retried = self.brought > 0 and allocator_retries() - self.retries_before > RETRIES_TOLERATED
+        retried = self.brought > 0 and read_memory().retries - self.retries_before > RETRIES_TOLERATED
         self.retrying = self.retrying + 1 if retried else 0
         self.limited = self.limited or self.retrying >= RETRYING_BACKWARDS
         self.retries_before = None
@@ -157,9 +170,10 @@ class PrefetchDuringBackward:
         elif self.read:
             self.margin = max(PACING_MIN_MARGIN_BYTES, 2 * self.largest_drop)
         self.sampled, self.read, self.previous, self.brought, self.backwards = False, False, None, 0, 0
-        self.step_started, self.retries_before = False, None
+        self.step_started, self.retries_before, self.stopped = False, None, False
         self.step_extra = self.handle.step_footprint()
-        self.early_limit = self.handle.left_to_forward() if self.limited else None
+        self.worth = self.handle.left_to_forward()
+        self.early_limit = self.worth if self.limited else None
         sizes = self.handle.moving_chunks()
         self.moving, self.smallest = sum(sizes), max(1, min(sizes, default=0))
 

@@ -168,6 +168,12 @@ class StateScheduler:
         less the margin (the pacer's own rule keeps the peak where the forward left it)."""
         return self.headroom() - allocated
 
+    def spare(self, reserved: int) -> int:
+        """Bytes the allocator may still map beside ``reserved`` (what it has mapped now) with the margin left
+        free: what may come back during backward without a retry, however scattered the free memory it holds."""
+        limit = self.limit()
+        return limit - self.margin(limit) - reserved
+
     # ------------------------------------------------------------------------------- telling
     def explain(self, state_bytes: int) -> str:
         """One line for the log: what stays on the GPU and why, in GPU memory alone (the device-mapped host

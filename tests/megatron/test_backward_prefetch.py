@@ -3,7 +3,8 @@ handle a ledger of what the hooks ask for. What it proves: what the last backwar
 step room for all kept state; a hook asks for nothing it could not bring back; once bringing state back
 made the allocator retry in a last backward, later ones bring back at most what the step leaves to the
 forward, and a retry that state coming back during backward did not cause (at the step's start, say)
-changes nothing."""
+changes nothing; beyond what the step leaves to the forward, the last backward brings back only what the
+allocator can still map under the limit, and nothing more once it retried in that backward."""
 
 from __future__ import annotations
 
@@ -12,14 +13,21 @@ import torch
 
 from megatron_offload.core.units import GIB
 from megatron_offload.megatron import backward_prefetch
+from megatron_offload.megatron.pacing import Reading
 from megatron_offload.optimizer_state.scheduler import Peaks
 from tests.megatron.test_pacing import Ledger
 
 
-@pytest.fixture(autouse=True)
-def no_retries(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The allocator never retried (no GPU here); a test that needs retries reads its own counter."""
-    monkeypatch.setattr(backward_prefetch, "allocator_retries", lambda: 0)
+def read_from(monkeypatch: pytest.MonkeyPatch, allocated, retries=lambda: 0, reserved=None) -> None:
+    """The allocator's readings (no GPU here): ``allocated()``, ``retries()``, and ``reserved()``, by
+    default as much as is allocated (no memory cached beside live tensors)."""
+    monkeypatch.setattr(backward_prefetch, "allocated_bytes", allocated)
+
+    def read_memory() -> Reading:
+        held = allocated()  # one reading, as the allocator's statistics are read once
+        return Reading(held, held if reserved is None else reserved(), retries())
+
+    monkeypatch.setattr(backward_prefetch, "read_memory", read_memory)
 
 
 class BackwardLedger(Ledger):
@@ -29,6 +37,10 @@ class BackwardLedger(Ledger):
     def __init__(self, limit: int, step_extra: int) -> None:
         super().__init__(limit)
         self.step_extra, self.resident, self.asked = step_extra, 0, []
+        self.left = 0  # what the step leaves to the next forward's hooks (0: the first forward is not timed yet)
+
+    def left_to_forward(self) -> int:
+        return self.left
 
     def step_footprint(self) -> int:
         return self.step_extra
@@ -47,7 +59,7 @@ def test_the_last_backward_leaves_room_at_the_step_for_all_kept_state(monkeypatc
     comes back at the step's start, on top of what the step held before any was kept; from then on it
     stays, and what the step holds at its start is learned without it."""
     allocated = {"bytes": 0}
-    monkeypatch.setattr(backward_prefetch, "allocated_bytes", lambda: allocated["bytes"])
+    read_from(monkeypatch, lambda: allocated["bytes"])
     ledger = BackwardLedger(10 * GIB, step_extra=GIB // 2)
     ledger.scheduler.start_step()
     ledger.scheduler.observe_step_end(Peaks(4 * GIB, 4 * GIB), resident=0)  # the peak without state
@@ -80,7 +92,7 @@ def test_a_backward_hook_asks_for_nothing_it_could_not_bring_back(monkeypatch, c
     """Room for no chunk, or everything that left brought back already: the hook does not walk the chunks
     (it runs at every sampled gradient, in the backward's thread)."""
     allocated = {"bytes": GIB}
-    monkeypatch.setattr(backward_prefetch, "allocated_bytes", lambda: allocated["bytes"])
+    read_from(monkeypatch, lambda: allocated["bytes"])
     ledger = BackwardLedger(10 * GIB, step_extra=0)
     ledger.moving_chunks = lambda: chunk_sizes
     brought: list[int] = []
@@ -124,9 +136,6 @@ class Retrying(BackwardLedger):
         self.asked.append(max_bytes)
         return min(max_bytes // (GIB // 2) * (GIB // 2), 8 * GIB)  # one call a backward here
 
-    def left_to_forward(self) -> int:
-        return self.left
-
 
 @pytest.mark.parametrize(
     ("retries", "brings_back", "limited"),
@@ -141,8 +150,7 @@ def test_retries_while_state_comes_back_limit_later_backwards_to_what_the_step_l
     comes in the step, beside its copies out), as they are at each iteration. One retry a backward, spikes
     apart, or retries with nothing brought back change nothing."""
     readings = {"allocated": 2 * GIB, "retries": 0}
-    monkeypatch.setattr(backward_prefetch, "allocated_bytes", lambda: readings["allocated"])
-    monkeypatch.setattr(backward_prefetch, "allocator_retries", lambda: readings["retries"])
+    read_from(monkeypatch, lambda: readings["allocated"], lambda: readings["retries"])
     ledger = Retrying()
     ledger.scheduler.start_step()
     ledger.scheduler.observe_step_end(Peaks(4 * GIB, 4 * GIB), resident=0)
@@ -178,14 +186,14 @@ def test_retries_while_state_comes_back_limit_later_backwards_to_what_the_step_l
 def test_memory_is_read_only_in_the_last_backward_and_only_while_something_can_come_back(monkeypatch) -> None:
     """Each reading costs the backward's thread tens of microseconds: the next-to-last backward's room is the
     forward's natural peak's (no reading), and where the step leaves no room for a chunk, the last backward
-    reads nothing either and the margin learned before stays."""
+    reads only at its first hook (the retries it is judged by) and the margin learned before stays."""
     reads = {"count": 0, "bytes": GIB}
 
     def reading() -> int:
         reads["count"] += 1
         return reads["bytes"]
 
-    monkeypatch.setattr(backward_prefetch, "allocated_bytes", reading)
+    read_from(monkeypatch, reading)
     ledger = BackwardLedger(10 * GIB, step_extra=0)
     ledger.moving_chunks = lambda: [GIB // 4] * 4
     ledger.scheduler.start_step()
@@ -214,4 +222,5 @@ def test_memory_is_read_only_in_the_last_backward_and_only_while_something_can_c
     margin = hooks.margin
     assert margin is not None and iteration(2 * GIB) == 2
     hooks.at_step = 10 * GIB  # the step now holds all there is: nothing may come back ahead of it
-    assert iteration(10 * GIB) == 0 and hooks.margin == margin
+    # One reading at the last backward's first hook (the allocator's retries it is judged by), none after.
+    assert iteration(10 * GIB) == 1 and hooks.margin == margin

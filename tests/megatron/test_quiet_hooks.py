@@ -14,6 +14,7 @@ from megatron_offload.config.options import OffloadConfig
 from megatron_offload.core.units import GIB
 from megatron_offload.megatron import backward_prefetch, pacing
 from megatron_offload.megatron.optimizer_adapter import OffloadHandle
+from megatron_offload.megatron.pacing import Reading
 from tests.megatron.test_backward_prefetch import BackwardLedger
 from tests.megatron.test_kept_decision import offloader_of
 from tests.megatron.test_pacing import PROFILE, Ledger, learn
@@ -86,7 +87,7 @@ def test_a_growth_read_in_a_quiet_forward_evicts_and_every_later_hook_pumps_agai
 
 
 def test_a_quiet_backward_neither_pumps_nor_counts(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(backward_prefetch, "allocator_retries", lambda: 0)  # no GPU here
+    monkeypatch.setattr(backward_prefetch, "read_memory", lambda: Reading(GIB, GIB, 0))  # no GPU here
     monkeypatch.setattr(backward_prefetch, "allocated_bytes", lambda: GIB)
     ledger = BackwardLedger(10 * GIB, step_extra=0)
     hooks = backward_prefetch.PrefetchDuringBackward(ledger, [torch.nn.Linear(2, 2)], lambda: True)
