@@ -17,10 +17,12 @@ _RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s*")
 # torchrun's agent line that opens its failure report: "E1125 05:37:02.394000 7127 .../api.py:1002] failed"
 _AGENT_FAILED = re.compile(r"^[EWI]\d{4} [\d:.]+ \d+ \S+\] failed \(exitcode")
 _AGENT_LINE = re.compile(r"^[EWI]\d{4} [\d:.]+ \d+ \S+\] ")
+# c10's log lines on the way out: "[W1128 20:34:00.545485184 ProcessGroupNCCL.cpp:1575] Warning: ..."
+_C10_LINE = re.compile(r"^\[[EWI]\d{4} [\d:.]+ ")
 _SEPARATOR = re.compile(r"^[\s=\-*_#]*$")
 # A link speed a job logs, as a Megatron-style field ("... link ... (GB/s): 52.3") or a line "link: 52.3 GB/s"
 _LINK = re.compile(r"\blink\b[^|:\n]*(?:\(GB/s\))?:\s*([\d.]+)(?:\s*GB/s)?", re.IGNORECASE)
-_NOT_FIT = re.compile(r"OutOfMemoryError|out of memory|OffloadFitError|cannot fit|does not fit", re.IGNORECASE)
+_NOT_FIT = re.compile(r"OutOfMemoryError|out of (?:GPU )?memory|OffloadFitError|cannot fit|does not fit", re.IGNORECASE)
 
 
 def _own_lines(text: str) -> list[str]:
@@ -34,7 +36,11 @@ def _own_lines(text: str) -> list[str]:
     return [
         line
         for line in own
-        if line and not _SEPARATOR.match(line) and not _AGENT_LINE.match(line) and not line.startswith("$ ")
+        if line
+        and not _SEPARATOR.match(line)
+        and not _AGENT_LINE.match(line)
+        and not _C10_LINE.match(line)
+        and not line.startswith("$ ")
     ]
 
 

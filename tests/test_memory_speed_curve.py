@@ -219,6 +219,12 @@ scripts/pretrain_gpt.py FAILED
         ("building...\n[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 224.00 MiB.\n"
          "[rank0]:[W1125 process_group.cpp] destroy_process_group() was not called\n",
          "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 224.00 MiB."),
+        ("megatron-offload: out of GPU memory under --offload-gpu-memory-cap-gib 17.1, in a backward of iteration 4: "
+         "asked for 224.00 MiB with 17.03 GiB reserved at the peak\n"
+         "[rank0]:[W1128 20:34:00.545485184 ProcessGroupNCCL.cpp:1575] Warning: WARNING: destroy_process_group() was "
+         "not called before program exit, which can leak resources.\n",
+         "megatron-offload: out of GPU memory under --offload-gpu-memory-cap-gib 17.1, in a backward of iteration 4: "
+         "asked for 224.00 MiB with 17.03 GiB reserved at the peak"),
         ("", "scripts/pretrain_gpt.py FAILED"),
     ],
 )  # fmt: skip
