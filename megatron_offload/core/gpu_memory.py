@@ -22,6 +22,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 
@@ -191,9 +192,27 @@ def memory_limit_bytes(device: torch.device | int | None, cap_bytes: int | None 
     return torch._C._cuda_memoryStats(index)["reserved_bytes"]["all"]["current"] + free
 
 
+class Reading(NamedTuple):
+    """The allocator's bytes held by live tensors, its bytes mapped (what the limit counts) and its retries so far."""
+
+    allocated: int
+    reserved: int
+    retries: int
+
+
+def read_memory(device: torch.device | int | None = None) -> Reading:
+    """``torch.cuda.memory_allocated()``, ``memory_reserved()`` and ``allocator_retries()`` from one reading of
+    the allocator's counters, without flattening every statistic into a new dict (hooks read it per layer)."""
+    stats = torch._C._cuda_memoryStats(device_index(device))
+    return Reading(
+        stats["allocated_bytes"]["all"]["current"],
+        stats["reserved_bytes"]["all"]["current"],
+        int(stats.get("num_alloc_retries", 0)),
+    )
+
+
 def allocator_retries(device: torch.device | int | None = None) -> int:
     """Times the caching allocator has run out of room under the limit and retried since the process began:
     each retry synchronizes every stream (the host waits for every copy in flight) and hands its cached
     memory back to the driver, which later requests map again."""
-    index = device_index(device)
-    return int(torch._C._cuda_memoryStats(index).get("num_alloc_retries", 0))
+    return read_memory(device).retries

@@ -10,8 +10,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from megatron_offload.core.gpu_memory import read_memory
 from megatron_offload.core.units import MIB
-from megatron_offload.megatron.pacing import Handle, allocated_bytes, read_memory, sampled
+from megatron_offload.megatron.pacing import Handle, allocated_bytes, sampled
 
 __all__ = ["PrefetchDuringBackward"]
 

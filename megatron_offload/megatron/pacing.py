@@ -9,13 +9,13 @@ forward and backward. They know the handle and its scheduler only, nothing of Me
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from megatron_offload.optimizer_state.scheduler import StateScheduler
 
-__all__ = ["Handle", "Reading", "RoomForForward", "allocated_bytes", "read_memory", "sampled"]
+__all__ = ["Handle", "RoomForForward", "allocated_bytes", "sampled"]
 
 SAMPLES = 64  # hooks per backward, and per forward
 # A forward reads memory (tens of microseconds of host time, which the GPU waits for where the loop is
@@ -216,21 +216,3 @@ def allocated_bytes(peak: bool = False) -> int:
     if stats is None:
         return torch.cuda.max_memory_allocated() if peak else torch.cuda.memory_allocated()
     return stats(torch.cuda.current_device())["allocated_bytes"]["all"]["peak" if peak else "current"]
-
-
-class Reading(NamedTuple):
-    """The allocator's bytes held by live tensors, its bytes mapped (what the limit counts) and its retries so far."""
-
-    allocated: int
-    reserved: int
-    retries: int
-
-
-def read_memory() -> Reading:
-    """``allocated_bytes()``, ``torch.cuda.memory_reserved()`` and the allocator's retries from one reading."""
-    stats = torch._C._cuda_memoryStats(torch.cuda.current_device())
-    return Reading(
-        stats["allocated_bytes"]["all"]["current"],
-        stats["reserved_bytes"]["all"]["current"],
-        int(stats.get("num_alloc_retries", 0)),
-    )

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_offload.core.gpu_memory import Reading
 from megatron_offload.core.units import GIB
 from megatron_offload.megatron import backward_prefetch
-from megatron_offload.megatron.pacing import Reading
 from megatron_offload.optimizer_state.scheduler import Peaks
 from tests.megatron.test_pacing import Ledger
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from megatron_offload.config.options import OffloadConfig
+from megatron_offload.core.gpu_memory import Reading
 from megatron_offload.core.units import GIB
 from megatron_offload.megatron import backward_prefetch, pacing
 from megatron_offload.megatron.optimizer_adapter import OffloadHandle
-from megatron_offload.megatron.pacing import Reading
 from tests.megatron.test_backward_prefetch import BackwardLedger
 from tests.megatron.test_kept_decision import offloader_of
 from tests.megatron.test_pacing import PROFILE, Ledger, learn
