@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "EXPANDABLE_PAGE_BYTES",
+    "Reading",
+    "allocated_bytes",
     "allocator_limit",
     "allocator_retries",
     "apply_memory_cap",
@@ -41,6 +43,7 @@ __all__ = [
     "expandable_segments_on",
     "gpu_only",
     "memory_limit_bytes",
+    "read_memory",
     "refresh_memory_cap",
     "uncapped",
     "use_expandable_segments_by_default",
@@ -198,6 +201,16 @@ class Reading(NamedTuple):
     allocated: int
     reserved: int
     retries: int
+
+
+def allocated_bytes(peak: bool = False) -> int:
+    """``torch.cuda.memory_allocated()`` (``peak``: ``max_memory_allocated()``) on the current device without
+    flattening every allocator statistic into a new dict on each call, which the hooks would pay many times per
+    iteration."""
+    stats = getattr(torch._C, "_cuda_memoryStats", None)
+    if stats is None:
+        return torch.cuda.max_memory_allocated() if peak else torch.cuda.memory_allocated()
+    return stats(device_index(None))["allocated_bytes"]["all"]["peak" if peak else "current"]
 
 
 def read_memory(device: torch.device | int | None = None) -> Reading:

@@ -10,9 +10,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from megatron_offload.core.gpu_memory import read_memory
+from megatron_offload.core.gpu_memory import allocated_bytes, read_memory
 from megatron_offload.core.units import MIB
-from megatron_offload.megatron.pacing import Handle, allocated_bytes, sampled
+from megatron_offload.megatron.pacing import Handle, sampled
 
 __all__ = ["PrefetchDuringBackward"]
 

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
+from megatron_offload.core.gpu_memory import allocated_bytes
 from megatron_offload.optimizer_state.scheduler import StateScheduler
 
 __all__ = ["Handle", "RoomForForward", "allocated_bytes", "sampled"]
@@ -207,12 +208,3 @@ def sampled(items: list) -> list:
     SAMPLES (63 forward and 55 gradient hooks instead of 125 and 82 for configs/gpt_0p9b.yaml), the default
     under caps forcing 75% and 90% of its state off the GPU ran out of memory in a backward."""
     return items[:: max(1, len(items) // SAMPLES)]
-
-
-def allocated_bytes(peak: bool = False) -> int:
-    """``torch.cuda.memory_allocated()`` (``peak``: ``max_memory_allocated()``) without flattening every
-    allocator statistic into a new dict on each call, which the hooks would pay many times per iteration."""
-    stats = getattr(torch._C, "_cuda_memoryStats", None)
-    if stats is None:
-        return torch.cuda.max_memory_allocated() if peak else torch.cuda.memory_allocated()
-    return stats(torch.cuda.current_device())["allocated_bytes"]["all"]["peak" if peak else "current"]
