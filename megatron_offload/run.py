@@ -23,7 +23,7 @@ from megatron_offload.config.files import NO_CUDA, add_switch_inverses, expand_c
 from megatron_offload.config.flag_checks import check_offload_combinations
 from megatron_offload.config.flags import UPSTREAM_FLAG, add_offload_args
 from megatron_offload.megatron.optimizer_adapter import OffloadFitError
-from megatron_offload.megatron.out_of_memory import line_for
+from megatron_offload.megatron.out_of_memory import line_for, quiet_megatron_out_of_memory_warning
 from megatron_offload.megatron.training_hooks import (
     MissingMegatronTraining,
     install_training_hooks,
@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         print(f"megatron-offload: {error}", file=sys.stderr)
         return 2
+    quiet_megatron_out_of_memory_warning()  # the line below says it, without megatron-core's traceback
     sys.argv = [script, *script_args]
     sys.path.insert(0, str(Path(script).resolve().parent))
     try:

@@ -9,13 +9,21 @@ in this project's hooks that move optimizer state), from the frames the error pa
 from __future__ import annotations
 
 import argparse
+import logging
 import re
 import traceback
 
 from megatron_offload.config.long_context_flags import SDPA_SPEC, uses_sdpa_spec
 from megatron_offload.config.refusals import on, over_one
 
-__all__ = ["asked_bytes", "line_for", "out_of_memory_line", "raised_in", "what_to_add"]
+__all__ = [
+    "asked_bytes",
+    "line_for",
+    "out_of_memory_line",
+    "quiet_megatron_out_of_memory_warning",
+    "raised_in",
+    "what_to_add",
+]
 
 LONG = 8192  # tokens per micro-batch from which attention scores, layer inputs and logits dominate
 
@@ -32,6 +40,26 @@ _PHASES = (
 )
 # This project's hooks that move optimizer state (backward_prefetch, pacing).
 _HOOKS = (("on_grad_ready", "while optimizer state came back"), ("before_forward", "while optimizer state left"))
+
+
+# megatron-core's straggler timer (``StragglerDetector.__exit__``, around each forward step in Megatron-LM's
+# scripts) logs every error raised inside it, with its whole traceback, as a warning of this logger before the
+# error goes on; for an out-of-memory the launcher's line says it instead.
+_MEGATRON_TIMER_LOGGER = "megatron.core.utils"
+_CUDA_OUT_OF_MEMORY = "CUDA out of memory"
+
+
+class _NoOutOfMemoryTraceback(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(_CUDA_OUT_OF_MEMORY)
+
+
+def quiet_megatron_out_of_memory_warning() -> None:
+    """Drop megatron-core's warning that repeats a CUDA out-of-memory with its traceback (the launcher prints
+    its one line for it); every other warning of that logger, other errors' included, stays."""
+    logger = logging.getLogger(_MEGATRON_TIMER_LOGGER)
+    if not any(isinstance(f, _NoOutOfMemoryTraceback) for f in logger.filters):
+        logger.addFilter(_NoOutOfMemoryTraceback())
 
 
 def asked_bytes(error: BaseException) -> int:
