@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from megatron_offload.core.gpu_memory import allocated_bytes
 from megatron_offload.core.streams import PREFETCH
 from megatron_offload.megatron import pacing
 from megatron_offload.megatron.optimizer_internals import distributed_optimizers
@@ -50,7 +51,7 @@ def bring_back_for_step(handle: Handle) -> int:
         # The step will hold what is allocated now, its own buffers and the kept state not back yet (in the
         # iteration after the decision all of it: the step brings it back first, into blocks of its own).
         coming = sum(offloader.kept_to_come_back for offloader in handle.offloaders)
-        room = max(0, handle.scheduler.backward_room(pacing.allocated_bytes() + handle.step_footprint() + coming))
+        room = max(0, handle.scheduler.backward_room(allocated_bytes() + handle.step_footprint() + coming))
     started = handle.prefetch(max_bytes=room)
     for offloader in handle.offloaders:
         # All of it now: megatron-core's code until the step has no point of ours that would start them.

@@ -16,7 +16,7 @@ import torch
 from megatron_offload.core.gpu_memory import allocated_bytes
 from megatron_offload.optimizer_state.scheduler import StateScheduler
 
-__all__ = ["Handle", "RoomForForward", "allocated_bytes", "sampled"]
+__all__ = ["Handle", "RoomForForward", "sampled"]
 
 SAMPLES = 64  # hooks per backward, and per forward
 # A forward reads memory (tens of microseconds of host time, which the GPU waits for where the loop is

@@ -68,7 +68,7 @@ def test_what_did_not_come_back_starts_back_as_the_step_begins_within_its_room(m
     handle = Handle()
     handle.on_cuda, handle.offloaders = True, [offloader]
     handle.step_footprint = lambda: GIB
-    monkeypatch.setattr(finalize_prefetch.pacing, "allocated_bytes", lambda: 3 * GIB)
+    monkeypatch.setattr(finalize_prefetch, "allocated_bytes", lambda: 3 * GIB)
     handle.scheduler.start_step()
     handle.scheduler.observe_step_end(Peaks(4 * GIB, 4 * GIB), resident=0)
     assert finalize_prefetch.bring_back_for_step(handle) == 0 and handle.prefetched == []  # not decided yet
@@ -87,7 +87,7 @@ def test_the_step_after_the_decision_leaves_room_for_the_kept_state_it_brings_ba
     offloader = Offloader(kept_to_come_back=2 * GIB)
     handle = Handle()
     handle.on_cuda, handle.offloaders = True, [offloader]
-    monkeypatch.setattr(finalize_prefetch.pacing, "allocated_bytes", lambda: 3 * GIB)
+    monkeypatch.setattr(finalize_prefetch, "allocated_bytes", lambda: 3 * GIB)
     handle.scheduler.start_step()
     handle.scheduler.observe_step_end(Peaks(4 * GIB, 4 * GIB), resident=0)
     handle.scheduler.decide([[GIB, GIB]])

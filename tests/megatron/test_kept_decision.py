@@ -10,7 +10,7 @@ import torch
 from megatron_offload import OptimizerStateOffloader
 from megatron_offload.config.options import OffloadConfig
 from megatron_offload.core.units import GIB
-from megatron_offload.megatron import offload_handle, pacing
+from megatron_offload.megatron import finalize_prefetch, offload_handle
 from megatron_offload.megatron.kept_decision import LEARNING_STEPS
 from megatron_offload.megatron.optimizer_adapter import OffloadFitError, OffloadHandle
 from megatron_offload.megatron.pacing import RoomForForward
@@ -209,7 +209,7 @@ def test_what_moves_starts_back_as_the_step_begins_within_its_room(
     kept_away = sum(offloader.kept_to_come_back for offloader in offloaders)
     assert kept_away == handle.kept_bytes() and (kept_away > 0) == (prefetch == "auto")  # `step` keeps none
     allocated = handle.scheduler.backward_room(handle.step_footprint()) - kept_away - sum(moving) // 2  # about half
-    monkeypatch.setattr(pacing, "allocated_bytes", lambda: allocated)
+    monkeypatch.setattr(finalize_prefetch, "allocated_bytes", lambda: allocated)
     room = handle.scheduler.backward_room(allocated + handle.step_footprint() + kept_away)
     before = sum(offloader.gpu_state_bytes for offloader in offloaders)
     handle._before_step()
