@@ -40,6 +40,12 @@ def launch(at_ms: float, correlation: int) -> dict[str, Any]:
             "ts": at_ms * MS, "dur": 0.005 * MS, "args": {"correlation": correlation}}  # fmt: skip
 
 
+def frame(name: str, start_ms: float, length_ms: float) -> dict[str, Any]:
+    """A Python frame on the training thread, as ``with_stack`` profiling records it."""
+    return {"ph": "X", "cat": "python_function", "name": name, "pid": 100, "tid": 100, "ts": start_ms * MS,
+            "dur": length_ms * MS}  # fmt: skip
+
+
 def memcpy(start_ms: float, length_ms: float, direction: str, mib: float = 64, stream: int | None = None) -> dict:
     """A device-to-host (``d2h``) or host-to-device (``h2d``) copy of ``mib`` MiB, as kineto names them."""
     name = "Memcpy DtoH (Device -> Pinned)" if direction == "d2h" else "Memcpy HtoD (Pinned -> Device)"
