@@ -47,21 +47,21 @@ def compute_kernels(complete: list[dict[str, Any]], trace: Trace) -> list[dict[s
 
 
 def stretches(kernels: list[dict[str, Any]], launches: dict, t0: float, t1: float, gap_ms: float) -> list[dict]:
-    """The compute stream's idle stretches longer than ``gap_ms`` in [t0, t1) (one open at ``t0`` from there), each
-    with who held it."""
+    """The compute stream's idle stretches longer than ``gap_ms`` that end in [t0, t1] (one open at ``t0`` counted
+    from there), each with who held it."""
     out, end = [], None
     for kernel in kernels:
         start, stop = float(kernel["ts"]), float(kernel["ts"]) + float(kernel["dur"])
         if stop <= t0:
             end = stop
             continue
-        if start >= t1:
+        if start > t1:  # a kernel starting at t1 (the update's first) still closes the stretch before it
             break
         idle_from = None if end is None else max(end, t0)  # a stretch open as the window opens counts from there
         if idle_from is not None and start - idle_from > gap_ms * MS:
             launch = launches.get((kernel.get("args") or {}).get("correlation"))
             lag = start - float(launch["ts"]) if launch is not None else None
-            held = "host" if lag is not None and lag <= HELD_US else "device"
+            held = "unknown" if lag is None else "host" if lag <= HELD_US else "device"  # unknown: no launch recorded
             out.append({"start": idle_from, "end": start, "held": held, "next": str(kernel.get("name", ""))[:60]})
         end = stop if end is None else max(end, stop)
     return out

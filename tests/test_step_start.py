@@ -85,3 +85,14 @@ def test_command_line_no_range_and_an_unreadable_trace(tmp_path: Path, capsys: p
     (tmp_path / "bad.json").write_text("not a trace")
     assert step_start.main([str(tmp_path / "bad.json")]) == 2
     assert capsys.readouterr().err.startswith("step_start: ")
+
+
+def test_a_kernel_without_its_launch_leaves_its_stretch_unknown(tmp_path: Path) -> None:
+    """A trace that lost the launch of the kernel after a stretch says so, and counts it as neither's."""
+    events = [step(5, 0, 300), kernel(100, 10), kernel(130, 10), annotation(STEP_NAME, 150, 10), launch(154.99, 4)]
+    events.append(kernel(155, 5, correlation=4))
+    (row,) = step_start.summarize(write(tmp_path / "t.json", events), "Optimizer.step", 80, 1, 0.5, 3)
+    window = row["window"]
+    assert [(s["start"], s["held"]) for s in window["stretches"]] == [(-45.0, "unknown"), (-15.0, "host")]
+    assert (window["host_held_ms"], window["device_held_ms"]) == (15.0, 0.0)
+    assert window["first_copy_out_ms"] == 0.0  # no copy out after the update: the window ends at it
