@@ -89,9 +89,14 @@ class Trace:
     copy_events: list[dict[str, Any]]  # (start, end, bytes, direction) of each, for per-step sums
 
 
-def _stream(event: dict[str, Any]) -> Any:
+def stream_of(event: dict[str, Any]) -> Any:
     """The CUDA stream of a device event: ``args.stream`` where kineto writes it, else the row (tid)."""
     return (event.get("args") or {}).get("stream", event.get("tid"))
+
+
+def correlation_of(event: dict[str, Any]) -> Any:
+    """The id kineto gives a launch on the host and the kernel or copy it launched alike; None where it has none."""
+    return (event.get("args") or {}).get("correlation")
 
 
 def _direction(name: str) -> str | None:
@@ -137,16 +142,16 @@ def load_trace(path: str | Path, min_copy_bytes: int = MIB, complete: list[dict[
     kernel_time: dict[Any, float] = {}
     kernels = [e for e in complete if e.get("cat") == "kernel"]
     for kernel in kernels:
-        kernel_time[_stream(kernel)] = kernel_time.get(_stream(kernel), 0.0) + float(kernel["dur"])
+        kernel_time[stream_of(kernel)] = kernel_time.get(stream_of(kernel), 0.0) + float(kernel["dur"])
     if not kernel_time:
         raise TraceError(f"{path}: no kernel events (was CUDA activity recorded?)")
     compute_stream = max(kernel_time, key=kernel_time.__getitem__)
     compute = Intervals.merge(
-        [(float(k["ts"]), float(k["ts"]) + float(k["dur"])) for k in kernels if _stream(k) == compute_stream]
+        [(float(k["ts"]), float(k["ts"]) + float(k["dur"])) for k in kernels if stream_of(k) == compute_stream]
     )
     copy_events = []
     for event in complete:
-        if event.get("cat") != "gpu_memcpy" or _stream(event) == compute_stream:
+        if event.get("cat") != "gpu_memcpy" or stream_of(event) == compute_stream:
             continue
         direction = _direction(str(event.get("name", "")))
         size = int((event.get("args") or {}).get("bytes", 0) or 0)

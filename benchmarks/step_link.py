@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.profiler_trace import Intervals, Step, Trace, TraceError, load_trace, read_events
+from benchmarks.profiler_trace import Intervals, Step, Trace, TraceError, correlation_of, load_trace, read_events
 
 GIB = 1024**3
 MS = 1000.0  # µs per ms: traces speak in µs
@@ -35,7 +35,7 @@ def _launch_spans(complete: list[dict[str, Any]]) -> dict[Any, tuple[float, floa
     """Each kernel's device span by its launch's correlation id."""
     spans = {}
     for event in complete:
-        correlation = (event.get("args") or {}).get("correlation")
+        correlation = correlation_of(event)
         if event.get("cat") == "kernel" and correlation is not None:
             start = float(event["ts"])
             spans[correlation] = (start, start + float(event["dur"]))
@@ -51,7 +51,7 @@ def step_spans(complete: list[dict[str, Any]], steps: list[Step], prefix: str) -
         if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith(prefix)
     )
     launches = sorted(
-        (float(e["ts"]), (e.get("args") or {}).get("correlation"))
+        (float(e["ts"]), correlation_of(e))
         for e in complete
         if e.get("cat") in ("cuda_runtime", "cuda_driver") and "Launch" in str(e.get("name", ""))
     )

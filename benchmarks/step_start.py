@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.profiler_trace import Trace, TraceError, load_trace, read_events
+from benchmarks.profiler_trace import Trace, TraceError, correlation_of, load_trace, read_events, stream_of
 from benchmarks.step_link import MS, step_spans
 
 HELD_US = 100.0  # a kernel starting this soon after its launch was waiting for the host, not for the device
@@ -31,7 +31,7 @@ def _launches(complete: list[dict[str, Any]]) -> dict[Any, dict[str, Any]]:
     """Each launch (runtime or driver call) by its correlation id."""
     out = {}
     for event in complete:
-        correlation = (event.get("args") or {}).get("correlation")
+        correlation = correlation_of(event)
         if event.get("cat") in ("cuda_runtime", "cuda_driver") and correlation is not None:
             out[correlation] = event
     return out
@@ -41,9 +41,7 @@ def compute_kernels(complete: list[dict[str, Any]], trace: Trace) -> list[dict[s
     """The compute stream's kernels, by start."""
     kernels = [e for e in complete if e.get("cat") == "kernel"]
     stream = trace.compute_stream
-    return sorted(
-        (k for k in kernels if (k.get("args") or {}).get("stream", k.get("tid")) == stream), key=lambda k: k["ts"]
-    )
+    return sorted((k for k in kernels if stream_of(k) == stream), key=lambda k: k["ts"])
 
 
 def stretches(kernels: list[dict[str, Any]], launches: dict, t0: float, t1: float, gap_ms: float) -> list[dict]:
@@ -59,7 +57,7 @@ def stretches(kernels: list[dict[str, Any]], launches: dict, t0: float, t1: floa
             break
         idle_from = None if end is None else max(end, t0)  # a stretch open as the window opens counts from there
         if idle_from is not None and start - idle_from > gap_ms * MS:
-            launch = launches.get((kernel.get("args") or {}).get("correlation"))
+            launch = launches.get(correlation_of(kernel))
             lag = start - float(launch["ts"]) if launch is not None else None
             held = "unknown" if lag is None else "host" if lag <= HELD_US else "device"  # unknown: no launch recorded
             out.append({"start": idle_from, "end": start, "held": held, "next": str(kernel.get("name", ""))[:60]})
@@ -93,7 +91,7 @@ def summarize(path: str | Path, prefix: str, before_ms: float, gap_ms: float, fr
     trace = load_trace(path, complete=complete)
     launches = _launches(complete)
     kernels = compute_kernels(complete, trace)
-    correlations = ((k.get("args") or {}).get("correlation") for k in kernels)
+    correlations = (correlation_of(k) for k in kernels)
     threads = {launches[c]["tid"] for c in correlations if c in launches}  # those launching the compute stream's
     frames = [e for e in complete if e.get("cat") == "python_function" and e.get("tid") in threads]
     rows = []
