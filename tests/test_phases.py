@@ -162,6 +162,8 @@ def test_the_hooks_timed_include_what_the_gradients_finalize_starts(monkeypatch:
     host_ms = {"gc": 0.0, "hooks": 0.0}
     phases.time_hooks(host_ms)
     undecided = SimpleNamespace(scheduler=SimpleNamespace(decided=False))
+    # As OffloadHandle.backward_done does: the module's function, looked up at the call.
+    undecided.backward_done = lambda: finalize_prefetch.bring_back_for_step(undecided)
     finalize = finalize_prefetch.PrefetchOnFinalize(lambda: "finalized", undecided)
     assert finalize() == "finalized"  # the wrapper looks the function up at each call: the timed one ran
     assert host_ms["hooks"] > 0

@@ -26,7 +26,8 @@ class PrefetchPolicy(str, Enum):
 
     AUTO = "auto"
     """What moves comes back during the last micro-batch's backward, into memory that backward has freed
-    (so the peak does not rise); the rest streams through the step."""
+    (so the peak does not rise), then as gradients are finalized as far as the step leaves room; the rest
+    streams through the step."""
     FINALIZE = "finalize"
     """All of it when gradients are finalized (backward done): the copy overlaps the gradient reduction."""
     STEP = "step"

@@ -35,6 +35,7 @@ __all__ = [
     "EXPANDABLE_PAGE_BYTES",
     "Reading",
     "allocated_bytes",
+    "allocation_counters",
     "allocator_limit",
     "allocator_retries",
     "apply_memory_cap",
@@ -211,6 +212,13 @@ def allocated_bytes(peak: bool = False) -> int:
     if stats is None:
         return torch.cuda.max_memory_allocated() if peak else torch.cuda.memory_allocated()
     return stats(device_index(None))["allocated_bytes"]["all"]["peak" if peak else "current"]
+
+
+def allocation_counters() -> tuple[int, int]:
+    """Bytes allocated now on the current device, and bytes ever allocated (the allocator's running count), from
+    one reading of its counters."""
+    counts = torch._C._cuda_memoryStats(device_index(None))["allocated_bytes"]["all"]
+    return counts["current"], counts["allocated"]
 
 
 def read_memory(device: torch.device | int | None = None) -> Reading:

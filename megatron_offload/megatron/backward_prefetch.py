@@ -10,14 +10,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from megatron_offload.core.gpu_memory import allocated_bytes, read_memory
+from megatron_offload.core.gpu_memory import allocated_bytes, allocation_counters, read_memory
 from megatron_offload.core.units import MIB
 from megatron_offload.megatron.pacing import Handle, sampled
 
-__all__ = ["PrefetchDuringBackward"]
+__all__ = ["PrefetchDuringBackward", "growth_ahead"]
 
-# Least room kept free under the level backward started from when bringing state back during
-# backward (see PrefetchDuringBackward for the learned margin).
+# Least room kept free beyond what the rest of the backward adds (see growth_ahead): the allocator rounds each
+# request up, and state comes back in pieces of at most --offload-chunk-mb.
 PACING_MIN_MARGIN_BYTES = 64 * MIB
 # Allocator retries in one last backward that bringing state back there may cause (see PrefetchDuringBackward):
 # one is cheap; several per backward, as under a cap that forces 90% of the state off, cost more than the
@@ -30,19 +30,16 @@ class PrefetchDuringBackward:
     """Brings state back during the last two micro-batches' backwards (gradient-ready hooks), only
     chunks whose copy out has landed (no hook waits), as far as the limit allows. In reserved bytes:
     - from the next-to-last backward, into the room the forward's natural peak leaves under the limit;
-    - in the last backward also into what backward frees, less a learned margin for temporaries no
-      reading sees (twice the most memory freed between two readings: one layer's activations);
+    - in the last backward also into what backward frees, less what the rest of that backward will add on
+      top of the memory held at each hook (``growth_ahead``, learned from the first last backward read);
+    - beyond what coming back early is worth (below), only into memory the allocator could still map under
+      the limit (``scheduler.spare``): what backward frees stays mapped in blocks of its own sizes, which pieces
+      coming back may not fit, and the next forward then finds the cap reached;
     - bounded at the step, whose own tensors (fp32 grads, Adam's temporaries, staging) come on top of
-      what came back and of all kept state: what the step holds at its start without state is learned too;
-    - in the last backward, beyond what the step leaves to the forward (``handle.left_to_forward()``, what
-      coming back early is worth, see below), only into memory the allocator could still map under the limit
-      (``scheduler.spare``): the memory backward frees stays mapped in blocks of its own sizes, so room counted
-      in allocated bytes may be room in no block that fits, and then the backward's own next request (one
-      micro-batch's attention scores) found no room under the cap. And nothing more once the allocator
-      retried in this backward: the cap is reached in the blocks it has.
+      what came back and of all kept state: what the step holds at its start without state is learned too.
     The first iteration that samples only learns.
 
-    What does not come back early starts back as the step begins (``finalize_prefetch.bring_back_for_step``)
+    What does not come back early starts back once backward is done (``finalize_prefetch.bring_back_for_step``)
     or streams in the step, its copies in beside the step's copies out (the link carries both directions at
     once), so only the copies in beyond the step's copies out lengthen it: the bytes the step leaves to the
     next forward (``handle.left_to_forward()``). Bringing more back early is worth it only
@@ -61,21 +58,21 @@ class PrefetchDuringBackward:
     ) -> None:
         self.handle = handle
         self.in_last_microbatch = in_last_microbatch
-        self.previous: int | None = None  # the last reading, without what we brought back
         self.brought = 0  # bytes brought back during this iteration
-        self.largest_drop = 0  # most memory freed between two readings, over all backwards so far
-        self.margin: int | None = None  # None until one backward has been seen
+        self.readings: list[tuple[int, int]] = []  # learning: (held without state, bytes allocated so far) per hook
+        self.ahead: list[int] | None = None  # growth_ahead per hook of the last backward; None until learned
+        self.hook = 0  # hooks reached in this last backward
         self.at_step: int | None = None  # most memory held when a step starts, without optimizer state
         self.step_started = False
         self.step_extra = 0  # what the step adds on top (streamed_step.footprint)
         self.sampled = False  # the last backward was reached (its allocator retries read)
-        self.read = False  # memory was read in the last backward: its drops teach the margin
         self.moving = 0  # bytes that leave the GPU between steps (none: nothing comes back, the hooks only pump)
         self.smallest = 0  # the smallest chunk among them: less room than this brings nothing back
         self.limited = False  # retries were seen: bring back at most what the step leaves to the forward
+        self.early_limit: int | None = None  # so most bytes back during this iteration's backwards; None: no bound
+        self.worth = 0  # bytes coming back early is worth: what the step leaves to the forward (new_iteration)
         self.retries_before: int | None = None  # the allocator's retries as this last backward was first read
         self.retrying = 0  # last backwards in a row that brought state back and made the allocator retry
-        self.worth = 0  # bytes coming back early is worth: what the step leaves to the forward (new_iteration)
         self.stopped = False  # the allocator retried in this last backward: nothing more comes back in it
         self.first_param: int | None = None  # id of the param whose gradient is ready first in a backward
         self.backwards = 0  # backwards begun in this iteration
@@ -98,34 +95,33 @@ class PrefetchDuringBackward:
         if not self.moving or per_iteration is None or self.backwards < per_iteration - 1:
             return
         last = self.backwards == per_iteration and self.in_last_microbatch()
-        reading = None
         if last and not self.sampled:
-            reading = read_memory()
-            self.retries_before, self.sampled = reading.retries, True
+            self.retries_before, self.sampled = read_memory().retries, True
+        if last:
+            self.hook += 1
+            if self.ahead is None:  # learning: nothing comes back in this backward, every hook reads
+                self.readings.append(self._natural())
+                return
         bound = self._step_bound()
         if self.stopped or self.brought >= self.moving or (bound is not None and bound < self.smallest):
             # Nothing can come back before the step: no reading (each costs tens of microseconds of the
             # backward's host time, which the GPU waits for where the loop is host-bound).
             return
-        # Only the last backward reads memory: the next-to-last one's room is the forward's natural peak's.
-        if last:
-            reading = reading or read_memory()
-            if reading.retries > (self.retries_before or 0):
-                self.stopped = True  # the allocator retried in this backward: its blocks are at the cap
-                return
-            natural = reading.allocated - self.brought
-            if self.previous is not None:
-                self.largest_drop = max(self.largest_drop, self.previous - natural)
-            self.previous = natural
-            self.read = True
-        if self.margin is None or bound is None:
+        if self.ahead is None or bound is None:
             return
         handle, scheduler = self.handle, self.handle.scheduler
         room = scheduler.room() - handle.kept_bytes() - handle.pending_offload_bytes() - self.brought
-        if reading is not None:
-            room = max(room, scheduler.backward_room(reading.allocated) - self.margin)
+        if last:  # only the last backward reads memory: the next-to-last one's room is the forward's natural peak's
+            reading = read_memory()
+            if reading.retries > (self.retries_before or 0):
+                self.stopped = True  # the allocator retried in this backward: its blocks are at the cap
+                return
+            ahead = self.ahead[min(self.hook, len(self.ahead)) - 1]  # learned with at least one hook
+            room = max(room, scheduler.backward_room(reading.allocated + ahead))
             # Beyond what coming back early is worth, only what the allocator can map without a retry.
-            room = min(room, max(self.worth - self.brought, scheduler.spare(reading.reserved) - self.margin))
+            room = min(
+                room, max(self.worth - self.brought, scheduler.spare(reading.reserved) - PACING_MIN_MARGIN_BYTES)
+            )
         room = min(room, bound)
         # A call that could bring nothing back (room for no chunk) walks every chunk for naught, in the
         # backward's thread, at every hook.
@@ -140,19 +136,29 @@ class PrefetchDuringBackward:
             return None
         handle = self.handle
         bound = handle.scheduler.backward_room(self.at_step + self.step_extra + handle.kept_bytes()) - self.brought
-        if self.limited:
-            bound = min(bound, self.worth - self.brought)
+        if self.early_limit is not None:
+            bound = min(bound, self.early_limit - self.brought)
         return bound
 
     def on_backward_done(self) -> None:
         """Called as the optimizer's step begins, before anything else comes back: whether bringing state
         back during the last backward made the allocator retry."""
-        if self.retries_before is None:  # the last backward was not read
+        if self.retries_before is None:  # the last backward was not reached
             return
+        if self.ahead is None and self.readings:
+            # The last reading before the step: what the backward allocated after its last hook counts too.
+            self.ahead = growth_ahead([*self.readings, self._natural()])
         retried = self.brought > 0 and read_memory().retries - self.retries_before > RETRIES_TOLERATED
         self.retrying = self.retrying + 1 if retried else 0
         self.limited = self.limited or self.retrying >= RETRYING_BACKWARDS
         self.retries_before = None
+
+    def _natural(self) -> tuple[int, int]:
+        """A learning reading: memory held without the copies out still pending (they free their blocks as they
+        land, in the middle of this backward or not in a later one: no room the backward leaves), and the
+        allocator's count of bytes ever allocated."""
+        held, ever = allocation_counters()
+        return held - self.handle.pending_offload_bytes(), ever
 
     def on_step_start(self) -> None:
         """Called as the inner optimizer step starts (gradients prepared): learn what the step holds."""
@@ -167,12 +173,12 @@ class PrefetchDuringBackward:
         """Called after every step: learn from the backward just seen, start afresh."""
         if self.backwards_per_iteration is None and self.backwards:
             self.backwards_per_iteration = self.backwards  # the next iteration samples its last backward
-        elif self.read:
-            self.margin = max(PACING_MIN_MARGIN_BYTES, 2 * self.largest_drop)
-        self.sampled, self.read, self.previous, self.brought, self.backwards = False, False, None, 0, 0
+        self.sampled, self.brought, self.backwards, self.hook = False, 0, 0, 0
+        self.readings = []
         self.step_started, self.retries_before, self.stopped = False, None, False
         self.step_extra = self.handle.step_footprint()
         self.worth = self.handle.left_to_forward()
+        self.early_limit = self.worth if self.limited else None
         sizes = self.handle.moving_chunks()
         self.moving, self.smallest = sum(sizes), max(1, min(sizes, default=0))
 
@@ -180,3 +186,18 @@ class PrefetchDuringBackward:
         for hook in self.hooks:
             hook.remove()
         self.hooks.clear()
+
+
+def growth_ahead(readings: list[tuple[int, int]]) -> list[int]:
+    """From one last backward's readings at each hook, and one as it ended (memory held, and the allocator's
+    count of bytes ever allocated): for each hook, the most the backward may hold from there to its end, above
+    what it held there. Between two readings it holds at most what it held at the first plus every byte it
+    allocated in between (frees only lower that), so this bounds what no reading sees (a layer's temporaries)
+    without resetting the process's peak statistics, which Megatron and users read. At least
+    ``PACING_MIN_MARGIN_BYTES``."""
+    highest = [held + after[1] - counted for (held, counted), after in zip(readings[:-1], readings[1:], strict=True)]
+    ahead, most = [], 0
+    for (held, _), high in zip(reversed(readings[:-1]), reversed(highest), strict=True):
+        most = max(most, high)
+        ahead.append(max(PACING_MIN_MARGIN_BYTES, most - held))
+    return ahead[::-1]

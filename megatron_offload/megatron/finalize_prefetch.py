@@ -1,39 +1,42 @@
-"""State back once backward is done: ``--offload-prefetch finalize`` starts it when gradients are finalized, so
-that its copy overlaps the gradient reduction, by wrapping each model config's ``finalize_model_grads_func``;
-the default starts what did not come back during backward as the step begins (``bring_back_for_step``)."""
+"""State back once backward is done: each model config's ``finalize_model_grads_func`` is wrapped so that what did
+not come back during backward (the default) or all of it (``--offload-prefetch finalize``) starts back as gradients
+are finalized (``bring_back_for_step``, through the handle's ``backward_done``): its copies overlap the gradient
+reduction, and the host issues them before megatron-core's gradient checks wait for the GPU, not between those checks
+and the gradient norm. Loops without a finalize function start it as the step begins."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from megatron_offload.core.gpu_memory import allocated_bytes
 from megatron_offload.core.streams import PREFETCH
 from megatron_offload.megatron import pacing
-from megatron_offload.megatron.optimizer_internals import distributed_optimizers
 
 __all__ = ["PrefetchOnFinalize", "bring_back_for_step", "unwrap_finalize_function", "wrap_finalize_functions"]
 
 
 class Handle(pacing.Handle, Protocol):
-    """What the wrapper needs of an OffloadHandle (which imports this module): the hooks' handle, and the
-    optimizer and offloaders it wraps."""
+    """What the wrapper needs of an OffloadHandle (which imports this module): the hooks' handle, the optimizer
+    and offloaders it wraps, and what it does once backward is done (``bring_back_for_step`` among it)."""
 
     optimizer: Any
     offloaders: list
     on_cuda: bool
 
+    def backward_done(self) -> None: ...
+
 
 class PrefetchOnFinalize:
-    """Wraps a TransformerConfig's ``finalize_model_grads_func``: starts the copy back, then finalizes,
-    so the copy overlaps the gradient reduction. Keeps whatever function was there."""
+    """Wraps a TransformerConfig's ``finalize_model_grads_func``: tells the handle backward is done (it starts the
+    copies back), then finalizes, so the copies overlap the gradient reduction. Keeps whatever function was there."""
 
     def __init__(self, inner: Callable[..., Any], handle: Handle) -> None:
         self.inner = inner
         self.handle = handle
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        bring_back_for_step(self.handle)
+        self.handle.backward_done()
         return self.inner(*args, **kwargs)
 
 
@@ -61,19 +64,18 @@ def bring_back_for_step(handle: Handle) -> int:
     return started
 
 
-def wrap_finalize_functions(handle: Handle) -> list[Any]:
-    """(Re)wrap each model config's finalize function of ``handle``'s optimizer; returns the configs wrapped
-    now. Training loops often set it after the optimizer is built, so this runs again after every step;
-    it never wraps twice."""
+def wrap_finalize_functions(handle: Handle, model_chunks: Sequence[Any]) -> list[Any]:
+    """(Re)wrap the finalize function of each of ``model_chunks``' configs for ``handle``; returns the configs
+    wrapped now. Training loops often set it after the optimizer is built, so this runs again after every step;
+    it never wraps twice. A chunk without a config (not a Megatron module) has none to wrap."""
     wrapped = []
-    for dist_opt in distributed_optimizers(handle.optimizer):
-        for chunk in dist_opt.model_chunks:
-            model_config = chunk.config
-            current = model_config.finalize_model_grads_func
-            if current is None or isinstance(current, PrefetchOnFinalize):
-                continue
-            model_config.finalize_model_grads_func = PrefetchOnFinalize(current, handle)
-            wrapped.append(model_config)
+    for chunk in model_chunks:
+        model_config = getattr(chunk, "config", None)
+        current = getattr(model_config, "finalize_model_grads_func", None)
+        if current is None or isinstance(current, PrefetchOnFinalize):
+            continue
+        model_config.finalize_model_grads_func = PrefetchOnFinalize(current, handle)
+        wrapped.append(model_config)
     return wrapped
 
 

@@ -39,19 +39,18 @@ class OffloadHandle:
         self.config = config
         self.offloaders: list[OptimizerStateOffloader] = []
         self.streamed = True  # every DistributedOptimizer runs the streamed step (else: whole state back)
-        self.in_step = False  # True while optimizer.step() runs
+        self.in_step = self.backward_finished = False  # in optimizer.step(); backward_done ran in this iteration
         self.on_cuda = torch.cuda.is_available()
         device = torch.cuda.current_device() if self.on_cuda else None
         self.say: Callable[[str], None] = logger.info  # the Megatron hooks print on the first rank instead
         limit = lambda: memory_limit_bytes(device, config.gpu_memory_cap_bytes)  # noqa: E731
         self.decision = KeptDecision(config, limit, lambda text: self.say(text))
-        self.hook_waits = 0
-        self.step_backlog_bytes = 0
-        self.brought_at_step = 0  # bytes started back as this iteration's step began (bring_back_for_step)
+        self.hook_waits = self.step_backlog_bytes = 0
+        self.brought_at_step = 0  # bytes started back once this iteration's backward was done (bring_back_for_step)
         self.quiet = False  # nothing moves, no copy under way: the hooks return at once (set at each step's end)
         self._pacer: PrefetchDuringBackward | None = None
         self._room: RoomForForward | None = None
-        self.wrappers = Wrappers(config.prefetch is PrefetchPolicy.FINALIZE)  # undone at detach
+        self.wrappers = Wrappers()  # undone at detach
         self.streamed_steps: list[_StreamedStep] = []  # each DistributedOptimizer's streamed step
 
     @property
@@ -158,12 +157,14 @@ class OffloadHandle:
             offloader.offload()
 
     # ------------------------------------------------------------------------------ scheduling
-    def _before_step(self) -> None:
-        """Backward is done: learn the limit, then start bringing back what did not come back during backward,
-        as far as the step leaves room; with ``step`` (the smallest footprint), through the update's staging
-        buffers only. Either way the copies in run beside megatron-core's work ahead of Adam."""
-        if not self.on_cuda:
+    def backward_done(self) -> None:
+        """Backward is done, once an iteration: as megatron-core's finalize function begins (before its gradient checks
+        make the host wait for the GPU: finalize_prefetch.py), else as the step begins. Learn the limit, then start
+        back what the backward did not bring, as far as the step leaves room (``step``: its staging buffers), after the
+        backward on the device: beside megatron-core's work ahead of Adam, launched right after its checks, not ours."""
+        if not self.on_cuda or self.backward_finished:
             return
+        self.backward_finished = True  # until the step has ended
         self.decision.before_step()
         if self._pacer is not None:
             self._pacer.on_backward_done()  # before more comes back: its retries are the backward's
@@ -174,13 +175,12 @@ class OffloadHandle:
                 streamed.begin_staging()  # the state's copies in beside megatron-core's work ahead of Adam
 
     def _after_step(self, stepped: bool) -> None:
-        """The state has left the step: the decision learns the peaks and decides what stays (KeptDecision).
-        Once the forward's hooks pace the copies out (RoomForForward), they stay pending; before that, wait
-        until no more is pending than the forward's peak has room for."""
+        """The state has left the step: the decision learns the peaks and decides what stays (KeptDecision). Once the
+        forward's hooks pace the copies out (RoomForForward) they stay pending; before, wait until the peak has room."""
+        self.backward_finished = False  # the next backward_done is the next iteration's
         if not self.on_cuda:
             return
-        brought = self.brought_at_step + (self._pacer.brought if self._pacer is not None else 0)
-        self.brought_at_step = 0
+        brought, self.brought_at_step = self.brought_at_step + (self._pacer.brought if self._pacer else 0), 0
         self.decision.after_step(self.offloaders, stepped, brought)
         budget = self.scheduler.backlog_budget(self.kept_bytes())
         self.step_backlog_bytes = self.pending_offload_bytes()
@@ -221,7 +221,7 @@ class OffloadHandle:
                 raise RuntimeError("megatron-offload: optimizer.step() called again from inside a step")
             self.in_step, stepped = True, False
             try:
-                self._before_step()
+                self.backward_done()  # unless megatron-core's finalize function did already
                 if not self.streamed:
                     self.prefetch()  # the whole state, before megatron-core assigns the masters' grads
                     result = step(*args, **kwargs)

@@ -104,8 +104,9 @@ def attach_offloader(optimizer: Any, config: OffloadConfig | None = None, **over
                 copy_name = "_copy_main_params_to_model_params"
                 handle.wrappers.wrap(dist_opt, copy_name, lambda _inner, s=streamed: s.copy_main_params_to_model_params)
         handle.wrappers.wrap(optimizer, "step", handle._step_wrapper)
-        handle.wrappers.wrap_finalize_functions(handle)
         model_chunks = list({id(chunk): chunk for dist_opt in dist_opts for chunk in dist_opt.model_chunks}.values())
+        handle.wrappers.model_chunks = model_chunks
+        handle.wrappers.wrap_finalize_functions(handle)
         if config.prefetch is PrefetchPolicy.AUTO:
             handle._pacer = PrefetchDuringBackward(handle, model_chunks, lambda: _in_last_microbatch(model_chunks))
         # The first forward timed on training's stream, for the step to leave it what it hides (forward_hides).

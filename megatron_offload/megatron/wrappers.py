@@ -1,7 +1,6 @@
-"""What ``attach_offloader`` put in place of megatron-core's methods and, with ``--offload-prefetch finalize``,
-of the model configs' finalize functions, with what was there before, so that the handle's ``detach()`` puts
-back exactly that, the latest first. The one owner of that list; the finalize functions' own wrapping is
-finalize_prefetch.py's.
+"""What ``attach_offloader`` put in place of megatron-core's methods and of the model configs' finalize functions,
+with what was there before, so that the handle's ``detach()`` puts back exactly that, the latest first. The one
+owner of that list; the finalize functions' own wrapping is finalize_prefetch.py's.
 """
 
 from __future__ import annotations
@@ -19,8 +18,8 @@ FINALIZE = "finalize_model_grads_func"
 class Wrappers:
     """The attributes the handle replaced, each with what was there before."""
 
-    def __init__(self, finalize: bool) -> None:
-        self.finalize = finalize  # the finalize functions are wrapped too (PrefetchPolicy.FINALIZE)
+    def __init__(self) -> None:
+        self.model_chunks: list[Any] = []  # whose configs' finalize functions are wrapped (set at attach)
         self._wrapped: list[tuple[Any, str, Any]] = []  # (object, attribute, what was there before)
 
     def wrap(self, obj: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
@@ -30,11 +29,9 @@ class Wrappers:
         self._wrapped.append((obj, name, before))
 
     def wrap_finalize_functions(self, handle: finalize_prefetch.Handle) -> None:
-        """With ``finalize``, (re)wrap each model config's finalize function (finalize_prefetch.py), each config
-        noted once; after every step too, as training loops often set them after the optimizer is built."""
-        if not self.finalize:
-            return
-        for config in finalize_prefetch.wrap_finalize_functions(handle):
+        """(Re)wrap each model config's finalize function (finalize_prefetch.py), each config noted once; after
+        every step too, as training loops often set them after the optimizer is built."""
+        for config in finalize_prefetch.wrap_finalize_functions(handle, self.model_chunks):
             if not any(obj is config for obj, _, _ in self._wrapped):
                 self._wrapped.append((config, FINALIZE, None))
 

@@ -16,6 +16,7 @@ from megatron_offload.core.stats import OffloadStats, Timings
 from megatron_offload.core.streams import OFFLOAD, PREFETCH, Event, Streams
 from megatron_offload.core.units import MIB
 from megatron_offload.optimizer_state import plan as planning
+from megatron_offload.optimizer_state.pieces import Memory, Pieces, bounds, split_runs
 from megatron_offload.optimizer_state.plan import Chunk
 from megatron_offload.optimizer_state.planned_state import PlannedState
 
@@ -31,7 +32,7 @@ class ChunkCopy(Copy):
     """The copies of one chunk in one direction; ``held`` are the tensors of their own it reads (out)."""
 
     chunk: Chunk
-    block: torch.Tensor | None  # the GPU memory it reads (offload) or fills (prefetch): held until it landed
+    block: Memory | None  # the GPU memory it reads (offload) or fills (prefetch): held until it landed
     in_block: list[bool] = field(default_factory=list)  # out: per entry, read from the block (else ``held``)
 
 
@@ -65,17 +66,16 @@ class ChunkCopies:
                 f"the state through three chunks), lower --offload-chunk-mb, or reduce the micro-batch size. ({error})"
             ) from error
 
+    def blocks_for(self, chunk: Chunk) -> Memory:
+        """Device memory for a chunk coming back: blocks of at most ``--offload-chunk-mb`` (pieces.py)."""
+        starts = bounds([(e.offset, planning.aligned(e.nbytes)) for e in chunk.entries], self.state.chunk_bytes)
+        return self.new_block(chunk.nbytes) if len(starts) == 1 else Pieces.make(starts, chunk.nbytes, self.new_block)
+
     def _chunk_copy(self, chunk: Chunk, direction: str, pairs: list, **fields: object) -> ChunkCopy:
+        label = chunk.label(len(self.state.chunks))
+        hooks = {"on_start": self._started, "on_landed": self._landed, "on_failed": self._failed}
         copy = ChunkCopy(
-            direction=direction,
-            pairs=pairs,
-            label=chunk.label(len(self.state.chunks)),
-            on_start=self._started,
-            on_landed=self._landed,
-            on_failed=self._failed,
-            on_released=self._released,
-            chunk=chunk,
-            **fields,
+            direction=direction, pairs=pairs, label=label, on_released=self._released, chunk=chunk, **hooks, **fields
         )
         chunk.copy = copy
         return copy
@@ -95,7 +95,8 @@ class ChunkCopies:
             return None
         pairs, keep, slab = [], [], self.state.slab
         in_block = [chunk.block is not None and entry.in_block for entry in chunk.entries]
-        for host, offset, size in planning.runs([e for e, b in zip(chunk.entries, in_block, strict=True) if b]):
+        stretches = planning.runs([e for e, b in zip(chunk.entries, in_block, strict=True) if b])
+        for host, offset, size in split_runs(stretches, chunk.block):
             pairs.append((slab[host : host + size], chunk.block[offset : offset + size]))
         for entry, in_it in zip(chunk.entries, in_block, strict=True):
             if not in_it:  # storage of its own (made by the optimizer, or before the first offload)
@@ -109,16 +110,16 @@ class ChunkCopies:
         self.stats.bytes_offloaded += chunk.nbytes
         return self.copies.put(copy, now=now)
 
-    def queue_prefetch(self, chunk: Chunk, block: torch.Tensor | None = None, after: Event | None = None) -> ChunkCopy:
-        """Queue the chunk's copy back into ``block`` (default: a new block; ``after`` then defaults to
-        the compute stream's current end, as that memory may have been used by work still queued)."""
+    def queue_prefetch(self, chunk: Chunk, block: Memory | None = None, after: Event | None = None) -> ChunkCopy:
+        """Queue the chunk's copy back into ``block`` (default: new blocks, ``blocks_for``; ``after`` then
+        defaults to the compute stream's current end, as that memory may have been used by work still queued)."""
         if block is None:
-            block = self.new_block(chunk.nbytes)
+            block = self.blocks_for(chunk)
             after = after or self.streams.mark()
         slab = self.state.slab
         pairs = [
             (block[offset : offset + size], slab[host : host + size])
-            for host, offset, size in planning.runs(chunk.entries)
+            for host, offset, size in split_runs(planning.runs(chunk.entries), block)
         ]
         copy = self._chunk_copy(chunk, PREFETCH, pairs, after=after, block=block)
         self.stats.bytes_prefetched += chunk.nbytes

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from megatron_offload.core.units import MIB
+from megatron_offload.optimizer_state.pieces import Memory
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class Chunk:
     expected: int = 0  # its size once Adam's first step has added the moments (the plan reserved room)
     kept: bool = False  # stays on the GPU across steps (offload fraction below 1, or chosen by `auto`)
     on_gpu: bool = True  # its tensors point at GPU memory (its block, or storage of their own), else at the slab
-    block: torch.Tensor | None = None  # uint8 device block the entries view while on the GPU (None: their own)
+    block: Memory | None = None  # uint8 device memory the entries view on the GPU (None: their own)
     ready: Any = None  # event the compute stream waits for before using the block (a copy back, or one out reading it)
     touched: bool = True  # the compute stream may have changed it since its host copy was made
     copy: Any = None  # the engine's copy of this chunk that is queued or in flight, if any

@@ -2,7 +2,8 @@
 
 It goes on from the plan's ``back_until`` (the backward's hooks call it dozens of times) and moves that past
 every chunk that is back or coming back. What each chunk needs is the copies' (chunk_copies.py): a copy out
-not started yet is dropped, one still reading its block is revived, the rest come back into new blocks.
+not started yet is dropped, one still reading its block is revived, the rest come back into new blocks
+(``ChunkCopies.blocks_for``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def queue_back(plan: Plan, mover: ChunkCopies, streams: Streams, max_bytes: int 
             break
         else:
             mark = mark or streams.mark()  # one mark for every block allocated here
-            mover.queue_prefetch(chunk, mover.new_block(chunk.nbytes), after=mark)
+            mover.queue_prefetch(chunk, mover.blocks_for(chunk), after=mark)
             started += chunk.nbytes
         if settled:
             plan.back_until = index + 1

@@ -1,8 +1,8 @@
 """The optimizer step, chunk by chunk, streaming what is not back yet through a few GPU buffers.
 
-Chunks on the GPU are updated first, in groups (those that leave before those kept), while the first streamed
-chunks come in; their copies out start within the step (``ShareOut``: between the streamed chunks', all at once
-when nothing streams), but for the bytes left to the loop's next points. The others stream through at most
+Chunks on the GPU are updated first, in groups (those that leave before those kept, the first alone), while the
+first streamed chunks come in; their copies out start within the step (``ShareOut``: between the streamed chunks',
+all at once when nothing streams), but for the bytes left to the loop's next points. The others stream through at most
 ``STAGING_CHUNKS`` buffers as large as the largest of them, one after another as through a ring (``staging_ring``):
 copies in ahead, one chunk updated, copies out behind, at once, every order kept on the device: no host waits.
 NOTE: a streamed chunk's copy out starts within the step (its buffer is needed again).
@@ -194,13 +194,14 @@ def run(
         return any(added)
 
     group_bytes = off.chunk_bytes if stage is not None else max(READY_GROUP_BYTES, off.chunk_bytes)
-    # First the chunks that leave and landed back (their copies out then run beside the rest of the step), then
-    # the kept ones (no copy to wait for either, while the others still come in), last those still on their way.
+    # Leaving chunks that landed first, the first alone (the way out starts after one chunk's update), then the kept
+    # ones (nothing to wait for while the others still come in), last those still on their way.
     leaving = [c for c in ready if not c.kept and c.on_gpu and c.copy is None and c.ready is None]
     settled = [chunk for chunk in ready if chunk.kept and chunk.on_gpu and chunk.copy is None]
     first = {id(chunk) for chunk in leaving + settled}
     arriving = [chunk for chunk in ready if id(chunk) not in first]
-    ready_groups = [*_groups(leaving, group_bytes), *_groups(settled, group_bytes), *_groups(arriving, group_bytes)]
+    ready_groups = [leaving[:1]] if leaving else []
+    ready_groups += [group for part in (leaving[1:], settled, arriving) for group in _groups(part, group_bytes)]
     try:
         if stage is not None:  # the update order: the stage brings each group's params in ahead of it
             stage.begin([[p for c in group for p in c.params] for group in [*ready_groups, *([c] for c in streamed)]])

@@ -1,10 +1,9 @@
 """The backward's hooks without a GPU: allocator readings and the memory limit are the test's, the
 handle a ledger of what the hooks ask for. What it proves: what the last backward brings back leaves the
-step room for all kept state; a hook asks for nothing it could not bring back; once bringing state back
-made the allocator retry in a last backward, later ones bring back at most what the step leaves to the
-forward, and a retry that state coming back during backward did not cause (at the step's start, say)
-changes nothing; beyond what the step leaves to the forward, the last backward brings back only what the
-allocator can still map under the limit, and nothing more once it retried in that backward."""
+step room for all kept state (the rest of that backward room for its temporaries: test_growth_ahead.py); a
+hook asks for nothing it could not bring back; once bringing state back made the allocator retry in a last
+backward, later ones bring back at most what the step leaves to the forward, and a retry that state coming back
+during backward did not cause (at the step's start, say) changes nothing."""
 
 from __future__ import annotations
 
@@ -17,17 +16,35 @@ from megatron_offload.megatron import backward_prefetch
 from megatron_offload.optimizer_state.scheduler import Peaks
 from tests.megatron.test_pacing import Ledger
 
+RETRIES = {"count": 0}  # the stand-in allocator's retries since the process began
 
-def read_from(monkeypatch: pytest.MonkeyPatch, allocated, retries=lambda: 0, reserved=None) -> None:
-    """The allocator's readings (no GPU here): ``allocated()``, ``retries()``, and ``reserved()``, by
-    default as much as is allocated (no memory cached beside live tensors)."""
-    monkeypatch.setattr(backward_prefetch, "allocated_bytes", allocated)
 
-    def read_memory() -> Reading:
-        held = allocated()  # one reading, as the allocator's statistics are read once
-        return Reading(held, held if reserved is None else reserved(), retries())
+@pytest.fixture(autouse=True)
+def no_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The allocator never retried (no GPU here); a test that needs retries sets ``RETRIES``."""
+    RETRIES["count"] = 0
+    monkeypatch.setattr(backward_prefetch, "read_memory", lambda: Reading(0, 0, RETRIES["count"]))
 
-    monkeypatch.setattr(backward_prefetch, "read_memory", read_memory)
+
+class Memory:
+    """The allocator's readings: bytes allocated now, and the running count of bytes ever allocated."""
+
+    def __init__(self, now: int) -> None:
+        self.now, self.ever = now, 0
+
+    def set(self, now: int) -> None:
+        self.ever += max(0, now - self.now)
+        self.now = now
+
+    def spike(self, nbytes: int) -> None:
+        """Allocated and freed again between two readings: only the running count shows it."""
+        self.ever += nbytes
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> Memory:
+        monkeypatch.setattr(backward_prefetch, "allocated_bytes", lambda: self.now)
+        monkeypatch.setattr(backward_prefetch, "allocation_counters", lambda: (self.now, self.ever))
+        monkeypatch.setattr(backward_prefetch, "read_memory", lambda: Reading(self.now, self.now, RETRIES["count"]))
+        return self
 
 
 class BackwardLedger(Ledger):
@@ -58,8 +75,7 @@ def test_the_last_backward_leaves_room_at_the_step_for_all_kept_state(monkeypatc
     step runs out of memory: in the iteration after the decision the kept state is still in host memory and
     comes back at the step's start, on top of what the step held before any was kept; from then on it
     stays, and what the step holds at its start is learned without it."""
-    allocated = {"bytes": 0}
-    read_from(monkeypatch, lambda: allocated["bytes"])
+    memory = Memory(0).install(monkeypatch)
     ledger = BackwardLedger(10 * GIB, step_extra=GIB // 2)
     ledger.scheduler.start_step()
     ledger.scheduler.observe_step_end(Peaks(4 * GIB, 4 * GIB), resident=0)  # the peak without state
@@ -69,16 +85,17 @@ def test_the_last_backward_leaves_room_at_the_step_for_all_kept_state(monkeypatc
     natural_at_step, kept = 2 * GIB, 3 * GIB
 
     def iteration(decide: int = 0) -> None:
-        allocated["bytes"] = GIB + ledger.resident
+        memory.set(GIB + ledger.resident)
         hooks.on_grad_ready(param)  # one backward per iteration: each is the last
-        allocated["bytes"] = natural_at_step + ledger.resident
+        hooks.on_backward_done()
+        memory.set(natural_at_step + ledger.resident)
         hooks.on_step_start()
         ledger.resident = ledger.kept  # the step brought the kept state back; it stays
         ledger.kept = ledger.kept or decide  # the decision, as the step ends: in host memory still
         hooks.new_iteration()
 
     iteration()  # learns the backwards per iteration
-    iteration(decide=kept)  # learns the margin and what the step holds; the decision keeps 3 GiB
+    iteration(decide=kept)  # learns what the backward and the step hold; the decision keeps 3 GiB
     assert ledger.asked == []  # only learning so far
     room = ledger.scheduler.backward_room(natural_at_step + ledger.step_extra + kept)
     iteration()  # the kept state comes back at this step's start
@@ -91,8 +108,7 @@ def test_the_last_backward_leaves_room_at_the_step_for_all_kept_state(monkeypatc
 def test_a_backward_hook_asks_for_nothing_it_could_not_bring_back(monkeypatch, chunk_sizes) -> None:
     """Room for no chunk, or everything that left brought back already: the hook does not walk the chunks
     (it runs at every sampled gradient, in the backward's thread)."""
-    allocated = {"bytes": GIB}
-    read_from(monkeypatch, lambda: allocated["bytes"])
+    Memory(GIB).install(monkeypatch)
     ledger = BackwardLedger(10 * GIB, step_extra=0)
     ledger.moving_chunks = lambda: chunk_sizes
     brought: list[int] = []
@@ -108,8 +124,9 @@ def test_a_backward_hook_asks_for_nothing_it_could_not_bring_back(monkeypatch, c
     param = torch.nn.Parameter(torch.zeros(2))
     hooks = backward_prefetch.PrefetchDuringBackward(ledger, [torch.nn.Linear(2, 2)], lambda: True)
     hooks.on_gpu = True
-    for _ in range(3):  # learn the backwards per iteration, then the margin and the step
+    for _ in range(3):  # learn the backwards per iteration, then what the backward and the step hold
         hooks.on_grad_ready(param)
+        hooks.on_backward_done()
         hooks.on_step_start()
         hooks.new_iteration()
     ledger.asked.clear()
@@ -149,8 +166,9 @@ def test_retries_while_state_comes_back_limit_later_backwards_to_what_the_step_l
     then on the last backward brings back at most the bytes the step leaves to the next forward (the rest
     comes in the step, beside its copies out), as they are at each iteration. One retry a backward, spikes
     apart, or retries with nothing brought back change nothing."""
-    readings = {"allocated": 2 * GIB, "retries": 0}
-    read_from(monkeypatch, lambda: readings["allocated"], lambda: readings["retries"])
+    readings = {"retries": 0}
+    memory = Memory(2 * GIB).install(monkeypatch)
+    monkeypatch.setattr(backward_prefetch, "read_memory", lambda: Reading(memory.now, memory.now, readings["retries"]))
     ledger = Retrying()
     ledger.scheduler.start_step()
     ledger.scheduler.observe_step_end(Peaks(4 * GIB, 4 * GIB), resident=0)
@@ -171,7 +189,7 @@ def test_retries_while_state_comes_back_limit_later_backwards_to_what_the_step_l
         return brought
 
     iteration()
-    iteration()  # learns the backwards per iteration, the margin and the step
+    iteration()  # learns the backwards per iteration, what the backward and the step hold
     everything = 8 * GIB if brings_back else 0
     assert [iteration(at_step=5) for _ in range(2)] == [everything] * 2 and not hooks.limited
     assert [iteration(retried=count) for count in retries] == [everything] * len(retries)  # room for all of it
@@ -186,14 +204,16 @@ def test_retries_while_state_comes_back_limit_later_backwards_to_what_the_step_l
 def test_memory_is_read_only_in_the_last_backward_and_only_while_something_can_come_back(monkeypatch) -> None:
     """Each reading costs the backward's thread tens of microseconds: the next-to-last backward's room is the
     forward's natural peak's (no reading), and where the step leaves no room for a chunk, the last backward
-    reads only at its first hook (the retries it is judged by) and the margin learned before stays."""
+    reads only at its first hook (the retries it is judged by) and what it learned before stays."""
     reads = {"count": 0, "bytes": GIB}
 
     def reading() -> int:
         reads["count"] += 1
         return reads["bytes"]
 
-    read_from(monkeypatch, reading)
+    monkeypatch.setattr(backward_prefetch, "allocated_bytes", reading)
+    monkeypatch.setattr(backward_prefetch, "read_memory", lambda: Reading(reading(), 0, 0))
+    monkeypatch.setattr(backward_prefetch, "allocation_counters", lambda: (reading(), 0))
     ledger = BackwardLedger(10 * GIB, step_extra=0)
     ledger.moving_chunks = lambda: [GIB // 4] * 4
     ledger.scheduler.start_step()
@@ -212,15 +232,16 @@ def test_memory_is_read_only_in_the_last_backward_and_only_while_something_can_c
                 hooks.on_grad_ready(p)
             reads["bytes"] = GIB
         in_backwards = reads["count"]
+        hooks.on_backward_done()
         reads["bytes"] = step_holds
         hooks.on_step_start()
         hooks.new_iteration()
         return in_backwards
 
     iteration(2 * GIB)  # learns the backwards per iteration
-    assert iteration(2 * GIB) == 2  # the last backward's two hooks read (margin, step); the one before none
-    margin = hooks.margin
-    assert margin is not None and iteration(2 * GIB) == 2
+    # Learning: the last backward's two hooks read, and its first the allocator's retries; the one before none.
+    assert iteration(2 * GIB) == 3
+    ahead = hooks.ahead
+    assert ahead is not None and len(ahead) == 2 and iteration(2 * GIB) == 3
     hooks.at_step = 10 * GIB  # the step now holds all there is: nothing may come back ahead of it
-    # One reading at the last backward's first hook (the allocator's retries it is judged by), none after.
-    assert iteration(10 * GIB) == 1 and hooks.margin == margin
+    assert iteration(10 * GIB) == 1 and hooks.ahead == ahead  # the retries it is judged by, nothing else

@@ -1,91 +1,99 @@
-"""What the last backward brings back where the allocator's memory is scattered: the memory backward frees stays
-mapped in blocks of its own sizes, so room counted in allocated bytes may be room in no block that fits. Beyond
-what the step leaves to the next forward (what coming back early is worth), the last backward brings back only
-what the allocator can still map under the limit, and nothing more once it retried in that backward. Without a
-GPU: the readings are the test's, the handle a ledger that brings back whatever it is asked for."""
+"""What comes back in the last backward, near the cap: the memory backward frees stays mapped in blocks of its own
+sizes, so beyond what the step leaves the forward only what the allocator can still map comes back, and a retry of
+the caching allocator there (its blocks are at the cap) stops it. Without a GPU: the readings are the test's, the
+handle a ledger that brings back whatever it is asked."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from megatron_offload.core.gpu_memory import Reading
 from megatron_offload.core.units import GIB
 from megatron_offload.megatron import backward_prefetch
 from megatron_offload.optimizer_state.scheduler import Peaks
-from tests.megatron.test_backward_prefetch import Retrying, read_from
-
-LIMIT = 20 * GIB  # Retrying's limit; 8 GiB of state moves, the step leaves 1 GiB to the forward
-ALLOCATED = 2 * GIB
-
-
-def hooks_for(ledger: Retrying, params: list[torch.nn.Parameter]) -> backward_prefetch.PrefetchDuringBackward:
-    """Hooks that learned: the backwards per iteration, then the margin and what the step holds."""
-    ledger.scheduler.start_step()
-    ledger.scheduler.observe_step_end(Peaks(4 * GIB, 4 * GIB), resident=0)
-    hooks = backward_prefetch.PrefetchDuringBackward(ledger, [torch.nn.Linear(2, 2)], lambda: True)
-    hooks.on_gpu = True
-    for _ in range(2):
-        for param in params:
-            hooks.on_grad_ready(param)
-        hooks.on_backward_done()
-        hooks.on_step_start()
-        hooks.new_iteration()
-    return hooks
-
-
-def spare_of(ledger: Retrying, hooks: backward_prefetch.PrefetchDuringBackward, spare: int) -> int:
-    """The reserved bytes that leave ``spare`` bytes to map under the limit, the margins kept free."""
-    return LIMIT - ledger.scheduler.margin() - hooks.margin - spare
-
-
-@pytest.mark.parametrize(
-    ("spare", "brought"),
-    [(None, 8 * GIB), (-GIB, GIB), (3 * GIB, 3 * GIB)],
-    ids=["nothing-cached-beside-live-tensors", "no-room-to-map", "room-to-map-3-GiB"],
-)
-def test_beyond_what_the_step_leaves_the_forward_only_what_the_allocator_can_map_comes_back(
-    monkeypatch: pytest.MonkeyPatch, spare: int | None, brought: int
-) -> None:
-    """Allocated bytes leave room for the whole 8 GiB. With nothing cached beside live tensors all of it comes
-    back; with the memory mapped up to the limit, only the 1 GiB the step leaves to the forward; with 3 GiB
-    left to map (beyond that 1 GiB), 3 GiB."""
-    reserved = {"bytes": ALLOCATED}
-    read_from(monkeypatch, lambda: ALLOCATED, reserved=lambda: reserved["bytes"])
-    ledger, param = Retrying(), torch.nn.Parameter(torch.zeros(2))
-    hooks = hooks_for(ledger, [param])
-    if spare is not None:
-        reserved["bytes"] = spare_of(ledger, hooks, spare)
-    hooks.on_grad_ready(param)  # the last backward
-    assert hooks.brought == brought
-    assert not hooks.limited
+from tests.megatron.test_backward_prefetch import Memory, Retrying
 
 
 @pytest.mark.parametrize("retried", [False, True], ids=["no-retry", "retried-between-hooks"])
 def test_a_retry_in_the_last_backward_stops_what_comes_back_in_it(
     monkeypatch: pytest.MonkeyPatch, retried: bool
 ) -> None:
-    """Two hooks in the last backward; between them backward freed memory the allocator unmapped, leaving room
-    to map 3 GiB more. Had it retried in between, nothing more comes back in that backward; the next last
+    """Two hooks in the last backward, the step leaving nothing to the forward; between them backward freed
+    memory. Had the allocator retried in between, nothing more comes back in that backward; the next last
     backward brings back again (one retry a backward does not limit later ones)."""
-    readings = {"reserved": ALLOCATED, "retries": 0}
-    read_from(monkeypatch, lambda: ALLOCATED, lambda: readings["retries"], lambda: readings["reserved"])
+    memory = Memory(17 * GIB).install(monkeypatch)
+    retries = {"count": 0}
+    monkeypatch.setattr(backward_prefetch, "read_memory", lambda: Reading(memory.now, memory.now, retries["count"]))
     ledger = Retrying()
-    ledger.left = 0  # the first forward is not timed yet: only room to map counts
+    ledger.left = 0
+    ledger.scheduler.start_step()
+    ledger.scheduler.observe_step_end(Peaks(18 * GIB, 18 * GIB), resident=0)  # the forward's peak: 18 of 20 GiB
     first, second = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
-    hooks = hooks_for(ledger, [first, second])
+    hooks = backward_prefetch.PrefetchDuringBackward(ledger, [torch.nn.Linear(2, 2)], lambda: True)
+    hooks.on_gpu = True
 
     def last_backward() -> int:
-        readings["reserved"] = spare_of(ledger, hooks, GIB)
+        """One backward of two sampled gradients; returns how many hooks asked for state back."""
+        asked = len(ledger.asked)
+        memory.set(17 * GIB)  # room for a little under the limit
         hooks.on_grad_ready(first)
-        readings["retries"] += int(retried)
-        readings["reserved"] = spare_of(ledger, hooks, 3 * GIB)  # backward freed and unmapped: 3 GiB to map
+        retries["count"] += int(retried)
+        memory.set(6 * GIB)  # backward freed 11 GiB: room for more
         hooks.on_grad_ready(second)
-        brought = hooks.brought
+        memory.set(2 * GIB)
         hooks.on_backward_done()
         hooks.on_step_start()
         hooks.new_iteration()
-        return brought
+        return len(ledger.asked) - asked
 
-    expected = GIB if retried else 4 * GIB
-    assert [last_backward(), last_backward()] == [expected, expected]
+    last_backward()  # learns the backwards per iteration
+    assert last_backward() == 0  # learns the growth ahead of each hook and what the step holds: nothing back
+    # Each later backward asks at both hooks; after a retry between them, at the first only, and again the next time.
+    assert [last_backward(), last_backward()] == ([1, 1] if retried else [2, 2])
     assert not hooks.limited
+
+
+@pytest.mark.parametrize("left", [0, 4 * GIB], ids=["step-leaves-nothing", "step-leaves-4-GiB"])
+def test_beyond_what_the_step_leaves_the_forward_only_memory_the_allocator_can_still_map_comes_back(
+    monkeypatch: pytest.MonkeyPatch, left: int
+) -> None:
+    """Backward freed 11 GiB between two hooks of the last backward, but the allocator keeps 18 of its 20 GiB
+    mapped (in blocks of backward's sizes): what comes back at the second hook is at most what it can still map
+    beside them, or what the step leaves to the next forward where that is more. Once the freed memory is
+    unmapped (reserved follows allocated), the room backward freed comes back."""
+    memory = Memory(17 * GIB).install(monkeypatch)
+    mapped = {"bytes": 0}
+    reading = lambda: Reading(memory.now, max(memory.now, mapped["bytes"]), 0)  # noqa: E731
+    monkeypatch.setattr(backward_prefetch, "read_memory", reading)
+    ledger = Retrying()
+    ledger.left = left
+    ledger.scheduler.start_step()
+    ledger.scheduler.observe_step_end(Peaks(18 * GIB, 18 * GIB), resident=0)
+    first, second = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    hooks = backward_prefetch.PrefetchDuringBackward(ledger, [torch.nn.Linear(2, 2)], lambda: True)
+    hooks.on_gpu = True
+
+    def last_backward(reserved: int) -> list[int]:
+        """One backward of two sampled gradients, ``reserved`` mapped at the second; what each hook asked."""
+        asked = len(ledger.asked)
+        mapped["bytes"] = 0
+        memory.set(17 * GIB)
+        hooks.on_grad_ready(first)
+        memory.set(6 * GIB)
+        mapped["bytes"] = reserved
+        hooks.on_grad_ready(second)
+        memory.set(2 * GIB)
+        hooks.on_backward_done()
+        hooks.on_step_start()
+        hooks.new_iteration()
+        return ledger.asked[asked:]
+
+    last_backward(0)
+    last_backward(0)  # learning: nothing comes back
+    spare = ledger.scheduler.spare(18 * GIB) - backward_prefetch.PACING_MIN_MARGIN_BYTES
+    first_ask, second_ask = last_backward(18 * GIB)
+    brought = min(first_ask // (GIB // 2) * (GIB // 2), 8 * GIB)
+    assert second_ask == max(spare, left - brought)
+    _, unmapped_ask = last_backward(6 * GIB)
+    assert unmapped_ask > 4 * GIB > second_ask

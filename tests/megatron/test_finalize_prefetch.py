@@ -1,8 +1,11 @@
-"""``--offload-prefetch finalize`` brings state back as gradients are finalized, but only once the default has
-decided what stays: until then (iterations 1 and 2) the steps' peaks are read with all state in host memory,
-and state brought back early would be counted as what training needs without it."""
+"""State starts back as gradients are finalized (all of it with ``--offload-prefetch finalize``, what the backward
+did not bring with the default), but only once the default has decided what stays: until then (iterations 1 and 2)
+the steps' peaks are read with all state in host memory, and state brought back early would be counted as what
+training needs without it."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 from megatron_offload.core.units import GIB
 from megatron_offload.megatron.finalize_prefetch import PrefetchOnFinalize
@@ -10,7 +13,7 @@ from megatron_offload.optimizer_state.scheduler import Peaks, StateScheduler
 
 
 class Handle:
-    """The wrapper's view of an OffloadHandle, off the GPU: it records what was brought back."""
+    """``bring_back_for_step``'s view of an OffloadHandle, off the GPU: it records what was brought back."""
 
     def __init__(self) -> None:
         self.scheduler = StateScheduler(lambda: 10 * GIB)
@@ -44,17 +47,29 @@ class Offloader:
         self.kept_to_come_back = kept_to_come_back
 
 
+def test_the_finalize_wrapper_tells_the_handle_backward_is_done_before_finalizing() -> None:
+    """The copies back are issued before megatron-core's finalize function, whose gradient checks make the host
+    wait for the GPU: issued after them, the host's time issuing them would hold back the gradient norm's kernels."""
+    calls: list[str] = []
+    handle = SimpleNamespace(backward_done=lambda: calls.append("backward done"))
+    wrapper = PrefetchOnFinalize(lambda *args, **kwargs: calls.append(f"finalized {args} {kwargs}") or "out", handle)
+    assert wrapper([1], num_tokens=7) == "out"
+    assert calls == ["backward done", "finalized ([1],) {'num_tokens': 7}"]
+
+
 def test_nothing_comes_back_early_until_what_stays_is_decided() -> None:
-    handle, finalized = Handle(), []
-    wrapper = PrefetchOnFinalize(lambda: finalized.append(True), handle)
-    wrapper()  # iteration 1
+    """Iterations 1 and 2: the steps' peaks are read with all state in host memory."""
+    from megatron_offload.megatron import finalize_prefetch
+
+    handle = Handle()
+    assert finalize_prefetch.bring_back_for_step(handle) == 0  # iteration 1
     handle.scheduler.start_step()
     handle.scheduler.observe_step_end(Peaks(4 * GIB, 4 * GIB), resident=0)
-    wrapper()  # iteration 2: its peak is still being read without state
-    assert handle.prefetched == [] and finalized == [True, True]
+    assert finalize_prefetch.bring_back_for_step(handle) == 0  # iteration 2: its peak is still being read
+    assert handle.prefetched == []
     handle.scheduler.decide([[GIB, GIB]])  # after iteration 2's step
-    wrapper()
-    assert handle.prefetched == [None] and len(finalized) == 3  # off the GPU: all of it, then finalized
+    finalize_prefetch.bring_back_for_step(handle)
+    assert handle.prefetched == [None]  # off the GPU: all of it
 
 
 def test_what_did_not_come_back_starts_back_as_the_step_begins_within_its_room(monkeypatch) -> None:

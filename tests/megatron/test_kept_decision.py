@@ -57,10 +57,10 @@ retries: list[int] = []  # one entry per retry of the stand-in allocator since t
 def iteration(handle: OffloadHandle) -> None:
     """What the step wrapper calls around a step that succeeded (no CUDA: the peaks are stood in for);
     the first call runs the steps the decision waits for."""
-    handle._before_step()
+    handle.backward_done()
     handle._after_step(stepped=True)
     while handle.decision.steps < LEARNING_STEPS:
-        handle._before_step()
+        handle.backward_done()
         handle._after_step(stepped=True)
 
 
@@ -138,9 +138,9 @@ def test_a_fixed_fraction_keeps_its_share_in_bytes_or_is_refused(monkeypatch: py
         offloader.keep_bytes(0)
     refused = handle_with_room(monkeypatch, offloaders, kept - 1, 0.4)
     for _ in range(LEARNING_STEPS - 1):
-        refused._before_step()
+        refused.backward_done()
         refused._after_step(stepped=True)
-    refused._before_step()
+    refused.backward_done()
     with pytest.raises(OffloadFitError, match=r"^megatron-offload: --offload-fraction 0.4 keeps .* or more, or "):
         refused._after_step(stepped=True)
     assert refused.kept_bytes() == 0 and refused.scheduler.kept is None  # the state is whole in host memory
@@ -153,13 +153,13 @@ def test_the_decision_waits_for_the_first_step_that_streams_the_whole_state(
     step's. Nothing is kept until iteration 2's step has ended, and what is kept then fits beside its peak."""
     state = sum(offloader.plan.full_bytes() for offloader in offloaders)
     handle = handle_with_room(monkeypatch, offloaders, state)  # iteration 1 leaves room for all of it
-    handle._before_step()
+    handle.backward_done()
     handle._after_step(stepped=True)
     assert handle.scheduler.kept is None and handle.kept_bytes() == 0  # whole in host memory still
     later = LIMIT - handle.scheduler.margin(LIMIT) - state // 3  # iteration 2 streams the whole state
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: later)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: later)
-    handle._before_step()
+    handle.backward_done()
     handle._after_step(stepped=True)
     assert 0 < handle.kept_bytes() == handle.scheduler.kept_total <= state // 3
 
@@ -212,7 +212,7 @@ def test_what_moves_starts_back_as_the_step_begins_within_its_room(
     monkeypatch.setattr(finalize_prefetch, "allocated_bytes", lambda: allocated)
     room = handle.scheduler.backward_room(allocated + handle.step_footprint() + kept_away)
     before = sum(offloader.gpu_state_bytes for offloader in offloaders)
-    handle._before_step()
+    handle.backward_done()
     assert seen == [before]  # the retries were read before anything came back
     if prefetch == "step":
         assert handle.brought_at_step == 0
@@ -226,3 +226,22 @@ def test_what_moves_starts_back_as_the_step_begins_within_its_room(
             expected += chunk.nbytes
     assert handle.brought_at_step == expected > 0
     assert sum(offloader.gpu_state_bytes for offloader in offloaders) == before + expected
+
+
+def test_backward_is_done_once_an_iteration_from_the_finalize_function_or_else_the_step(
+    monkeypatch: pytest.MonkeyPatch, offloaders: list
+) -> None:
+    """Megatron-LM's loop calls the finalize function, then the step: the state starts back once, from the first;
+    a loop without a finalize function starts it from the step; every iteration anew."""
+    brought: list[OffloadHandle] = []
+    monkeypatch.setattr(finalize_prefetch, "bring_back_for_step", lambda handle: brought.append(handle) or 0)
+    handle = handle_with_room(monkeypatch, offloaders, 0)
+    finalize = finalize_prefetch.PrefetchOnFinalize(lambda: None, handle)
+    for _ in range(3):  # Megatron-LM's loop
+        finalize()
+        handle.backward_done()  # the step wrapper's call: done already
+        handle._after_step(stepped=True)
+    assert brought == [handle] * 3
+    handle.backward_done()  # a loop without a finalize function
+    handle._after_step(stepped=True)
+    assert len(brought) == 4

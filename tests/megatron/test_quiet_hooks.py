@@ -89,6 +89,7 @@ def test_a_growth_read_in_a_quiet_forward_evicts_and_every_later_hook_pumps_agai
 def test_a_quiet_backward_neither_pumps_nor_counts(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(backward_prefetch, "read_memory", lambda: Reading(GIB, GIB, 0))  # no GPU here
     monkeypatch.setattr(backward_prefetch, "allocated_bytes", lambda: GIB)
+    monkeypatch.setattr(backward_prefetch, "allocation_counters", lambda: (GIB, GIB))
     ledger = BackwardLedger(10 * GIB, step_extra=0)
     hooks = backward_prefetch.PrefetchDuringBackward(ledger, [torch.nn.Linear(2, 2)], lambda: True)
     hooks.on_gpu = True

@@ -1,9 +1,9 @@
 """The order the streamed step updates chunks that are on the GPU at its start (``streamed_step.run``), on the CPU.
 
-What it proves: chunks that leave after the step and have landed back already come first (their copies out
-then run beside the rest of the step), then the kept chunks, on the GPU all along, then the chunks whose copies
-back are still on their way, each in step order; the groups stay the same from step to step; the values are
-those of the optimizer's own step.
+What it proves: chunks that leave after the step and have landed back already come first, the first of them
+alone (their copies out then run beside the rest of the step, the first after one chunk's update), then the kept
+chunks, on the GPU all along, then the chunks whose copies back are still on their way, each in step order; the
+groups stay the same from step to step; the values are those of the optimizer's own step.
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ def test_chunks_that_leave_and_landed_first_then_kept_then_arriving() -> None:
         order = [index for group in seen for index in group]
         assert kept and len(moving) > 2
         assert order == moving[:2] + kept + moving[2:]  # landed leaving, kept, arriving: each in step order
+        assert seen[0] == [moving[0]]  # the first leaving chunk alone: its copy out waits for one chunk's update
         if step == 1:
             groups = [list(group) for group in seen]
         assert [list(group) for group in seen] == groups  # the same groups every step
