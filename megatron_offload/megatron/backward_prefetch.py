@@ -69,7 +69,6 @@ class PrefetchDuringBackward:
         self.moving = 0  # bytes that leave the GPU between steps (none: nothing comes back, the hooks only pump)
         self.smallest = 0  # the smallest chunk among them: less room than this brings nothing back
         self.limited = False  # retries were seen: bring back at most what the step leaves to the forward
-        self.early_limit: int | None = None  # so most bytes back during this iteration's backwards; None: no bound
         self.worth = 0  # bytes coming back early is worth: what the step leaves to the forward (new_iteration)
         self.retries_before: int | None = None  # the allocator's retries as this last backward was first read
         self.retrying = 0  # last backwards in a row that brought state back and made the allocator retry
@@ -136,8 +135,8 @@ class PrefetchDuringBackward:
             return None
         handle = self.handle
         bound = handle.scheduler.backward_room(self.at_step + self.step_extra + handle.kept_bytes()) - self.brought
-        if self.early_limit is not None:
-            bound = min(bound, self.early_limit - self.brought)
+        if self.limited:
+            bound = min(bound, self.worth - self.brought)
         return bound
 
     def on_backward_done(self) -> None:
@@ -178,7 +177,6 @@ class PrefetchDuringBackward:
         self.step_started, self.retries_before, self.stopped = False, None, False
         self.step_extra = self.handle.step_footprint()
         self.worth = self.handle.left_to_forward()
-        self.early_limit = self.worth if self.limited else None
         sizes = self.handle.moving_chunks()
         self.moving, self.smallest = sum(sizes), max(1, min(sizes, default=0))
 

@@ -17,10 +17,9 @@ __all__ = ["PrefetchOnFinalize", "bring_back_for_step", "unwrap_finalize_functio
 
 
 class Handle(pacing.Handle, Protocol):
-    """What the wrapper needs of an OffloadHandle (which imports this module): the hooks' handle, the optimizer
-    and offloaders it wraps, and what it does once backward is done (``bring_back_for_step`` among it)."""
+    """What the wrapper needs of an OffloadHandle (which imports this module): the hooks' handle, the offloaders it
+    wraps, and what it does once backward is done (``bring_back_for_step`` among it)."""
 
-    optimizer: Any
     offloaders: list
     on_cuda: bool
 
