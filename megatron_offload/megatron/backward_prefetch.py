@@ -94,8 +94,10 @@ class PrefetchDuringBackward:
         if not self.moving or per_iteration is None or self.backwards < per_iteration - 1:
             return
         last = self.backwards == per_iteration and self.in_last_microbatch()
+        first = None  # the last backward's first reading, which its first hook's room reads too
         if last and not self.sampled:
-            self.retries_before, self.sampled = read_memory().retries, True
+            first = read_memory()
+            self.retries_before, self.sampled = first.retries, True
         if last:
             self.hook += 1
             if self.ahead is None:  # learning: nothing comes back in this backward, every hook reads
@@ -111,7 +113,7 @@ class PrefetchDuringBackward:
         handle, scheduler = self.handle, self.handle.scheduler
         room = scheduler.room() - handle.kept_bytes() - handle.pending_offload_bytes() - self.brought
         if last:  # only the last backward reads memory: the next-to-last one's room is the forward's natural peak's
-            reading = read_memory()
+            reading = first or read_memory()
             if reading.retries > (self.retries_before or 0):
                 self.stopped = True  # the allocator retried in this backward: its blocks are at the cap
                 return
