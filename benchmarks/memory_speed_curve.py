@@ -229,6 +229,7 @@ def table(result: dict[str, Any]) -> str:
             equal = {True: "losses equal", False: "losses DIFFER", None: ""}[row.get("losses_equal")]
             spread = row.get("ms_quartiles")
             lines.append(f"  {name:26} {row['ms_per_iter']:8.1f} ms  x{row.get('x_no_offload', 0):.3f}  "
+                         + (f"({row['x_floor']:.3f}x its floor)  " if row.get("x_floor") else "")
                          + (f"(quartiles {spread[0]:.0f}-{spread[1]:.0f}){rounds_text(row)}  " if spread else "")
                          + f"peak reserved {row.get('peak_reserved_GiB', 0):.2f} GiB  {equal}"
                          + (f"  allocator retries {row['allocator_retries']}" if row.get("allocator_retries") else "")

@@ -104,11 +104,14 @@ def test_the_sweep_writes_every_figure(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert tight["floor_x"] == pytest.approx(1 + (0.9 * STATE_GIB * GIB / 52e9 * 1e3 - forward) / 600.0)
     ours = tight["rows"]["default"]
     assert ours["outcome"] == "ran" and ours["x_no_offload"] == pytest.approx(700 / 600) and ours["losses_equal"]
+    assert ours["x_floor"] == pytest.approx(700 / 600 / tight["floor_x"])  # the distance the acceptance judges
     assert ours["peak_reserved_GiB"] == 16.2
     assert tight["rows"]["no offload"]["outcome"] == "did not fit" and "derived" in tight["rows"]["no offload"]
     assert result["caps"][0]["rows"]["no offload"]["x_no_offload"] == 1.0  # cap 0%: its own uncapped run
     assert tight["rows"]["upstream chunked offload"]["x_no_offload"] == pytest.approx(800 / 600)
-    assert "cap 90%" in (tmp_path / "curve.txt").read_text()
+    assert "x_floor" not in result["caps"][0]["rows"]["no offload"]  # its uncapped run: ran under no floor
+    text = (tmp_path / "curve.txt").read_text()
+    assert "cap 90%" in text and f"({700 / 600 / tight['floor_x']:.3f}x its floor)" in text
 
 
 def test_without_a_logged_link_the_floor_takes_the_one_our_copies_out_measured(
