@@ -165,7 +165,7 @@ def finish(result: dict[str, Any], link: float | None, forward_ms: float, args: 
     for plan in result["caps"]:
         plan["floor_x"] = floor_ratio(plan["saved_GiB"] * GIB, result["link"]["GBps"], forward_ms,
                                       result["no_offload"]["ms_per_iter"])  # fmt: skip
-        for row in plan["rows"].values():  # each run's distance to the floor (a derived cell ran no offloading)
+        for row in plan["rows"].values():  # each run's distance to the floor; a derived cell is an uncapped run
             if row.get("x_no_offload") is not None and "derived" not in row:
                 row["x_floor"] = row["x_no_offload"] / plan["floor_x"]
     result["plot"] = plot(result, args.out / "curve.png")
