@@ -26,6 +26,11 @@ completed, read without waiting; the rest at exit.
                                                      garbage collector and in this project's hooks, the CPU ms
                                                      of the main thread and of all others, and the main thread's
                                                      ms runnable without a CPU, a second line
+    python -m benchmarks.phases --link SCRIPT [ARGS...]
+                                                     also, at exit, per phase of each iteration, the ms the host
+                                                     link carried optimizer state each way and the compute stream
+                                                     waited for it, and where the link stood still from the last
+                                                     backward to the next first forward (phase_probes.py)
     python -m benchmarks.phases --snapshot-oom PATH SCRIPT [ARGS...]
                                                      where an allocation fails, the allocator's snapshot then
                                                      (PATH-oom.pickle) and the Python stack that asked (PATH-oom.txt)
@@ -49,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.phase_lines import ALLOCATOR_COUNTERS, Event, Mark, counter_line, line, runqueue_ms, summary, table
+from benchmarks.phase_probes import LinkTimeline, link_summary, time_hooks
 
 
 class Marks:
@@ -61,12 +67,14 @@ class Marks:
         after_forward: Callable[[int, int], None] | None = None,
         counters: Callable[[], tuple[float, ...]] | None = None,
         first_iteration: Callable[[], None] | None = None,
+        on_done: Callable[[list[Mark]], None] | None = None,
     ) -> None:
         self.event = event
         self.say = say
         self.after_forward = after_forward  # called with (iteration, forward) as each forward ends
         self.counters = counters  # the counters of COUNTED (the allocator's, the host's ms), read at each mark
         self.first_iteration = first_iteration  # called as the first iteration starts (CUDA set up by then)
+        self.on_done = on_done  # called with each whole iteration's marks as its line is said
         self.iterations = 0
         self.current: list[Mark] = []  # (phase ending here, event, host time, counters)
         self.done: list[list[Mark]] = []  # whole iterations, events maybe still running
@@ -103,6 +111,8 @@ class Marks:
             marks = self.done.pop(0)
             marks[-1][1].synchronize()  # completed already, or at exit
             self.say(line(marks))
+            if self.on_done is not None:
+                self.on_done(marks)
             if self.counters is not None:
                 self.say(counter_line(marks))
 
@@ -135,51 +145,17 @@ def install(marks: Marks, training: Any, schedules: Any, gpt_model_class: Any) -
     gpt_model_class.forward = around(gpt_model_class.forward, marks.forward_starts, marks.forward_ends)
 
 
-def time_hooks(host_ms: dict[str, float]) -> None:
-    """Add up the host's ms in Python's garbage collector and in this project's training-loop hooks (the
-    forward's and the backward's, wrapped before they are registered, and what the gradients' finalize
-    starts, looked up at each call) into ``host_ms``."""
-    import gc
-
-    from megatron_offload.megatron import backward_prefetch, finalize_prefetch, pacing
-
-    started = [0.0]
-
-    def collecting(phase: str, info: dict) -> None:
-        if phase == "start":
-            started[0] = time.perf_counter()
-        else:
-            host_ms["gc"] += (time.perf_counter() - started[0]) * 1e3
-
-    gc.callbacks.append(collecting)
-
-    def timed(function: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(function)
-        def hook(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                host_ms["hooks"] += (time.perf_counter() - start) * 1e3
-
-        return hook
-
-    pacing.RoomForForward.before_forward = timed(pacing.RoomForForward.before_forward)
-    prefetch = backward_prefetch.PrefetchDuringBackward
-    prefetch.on_grad_ready = timed(prefetch.on_grad_ready)
-    finalize_prefetch.bring_back_for_step = timed(finalize_prefetch.bring_back_for_step)
-
-
 def options(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
-    """The options before SCRIPT: ``--snapshot-forwards N PATH``, ``--snapshot-oom PATH``, ``--allocator``."""
+    """The options before SCRIPT: ``--snapshot-forwards N PATH``, ``--snapshot-oom PATH``, ``--allocator``,
+    ``--link``."""
     found: dict[str, Any] = {}
-    while argv[:1] and argv[0] in ("--snapshot-forwards", "--snapshot-oom", "--allocator"):
+    while argv[:1] and argv[0] in ("--snapshot-forwards", "--snapshot-oom", "--allocator", "--link"):
         if argv[0] == "--snapshot-forwards":
             found["forwards"], argv = (int(argv[1]), argv[2]), argv[3:]
         elif argv[0] == "--snapshot-oom":
             found["oom"], argv = argv[1], argv[2:]
         else:
-            found["allocator"], argv = True, argv[1:]
+            found[argv[0][2:]], argv = True, argv[1:]
     return found, argv
 
 
@@ -187,6 +163,9 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--summary"]:
         rows = {path: summary(Path(path).read_text()) for path in argv[1:]}
         print(table(rows, base=next(iter(rows), None)), end="")
+        links = {path: link_summary(Path(path).read_text()) for path in argv[1:]}
+        if any(links.values()):  # runs with --link: each phase's median ms of copies out (copies in)
+            print("link, out (in) ms:\n" + table({p: row for p, row in links.items() if row}), end="")
         return 0
     found, argv = options(argv)
     import torch
@@ -239,9 +218,21 @@ def main(argv: list[str]) -> int:
             torch._C._cuda_attach_out_of_memory_observer(out_of_memory)
 
     event = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
-    marks = Marks(event, say, snapshot, counters if found.get("allocator") else None, first_iteration)
+    link = LinkTimeline() if found.get("link") else None
+    if link is not None:
+        link.install()
+    on_done = link.iteration if link is not None else None
+    marks = Marks(event, say, snapshot, counters if found.get("allocator") else None, first_iteration, on_done)
     install(marks, training, schedules, gpt_model.GPTModel)
-    atexit.register(marks.at_exit)
+
+    def at_exit() -> None:
+        marks.at_exit()
+        if link is not None and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # at exit: every copy's events complete before they are read
+            for text in link.lines():
+                say(text)
+
+    atexit.register(at_exit)
     return run.main(argv)
 
 

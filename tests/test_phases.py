@@ -174,3 +174,42 @@ def test_the_runqueue_reading_is_schedstats_second_field_in_milliseconds(tmp_pat
     schedstat.write_text("91000000 4500000 17\n")  # on a CPU, runnable without one (ns), timeslices
     assert phase_lines.runqueue_ms(schedstat) == 4.5
     assert phase_lines.runqueue_ms(tmp_path / "missing") == 0.0  # a kernel without schedstats
+
+
+def test_the_link_lines_give_each_directions_time_per_phase_and_where_it_stood_still(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from benchmarks import phase_probes
+    from megatron_offload.core import stats
+
+    monkeypatch.setattr(stats.Timings, "add", stats.Timings.add)  # install() replaces it for the process
+    link = phase_probes.LinkTimeline()
+    link.install()
+
+    def at(ms: float) -> HostEvent:
+        event = HostEvent()
+        event.at = ms / 1e3
+        return event
+
+    timings, filed = stats.Timings(), stats.OffloadStats()
+    spans = {"offload": [(100, 110), (108, 120), (130, 140)], "prefetch": [(90, 100)], "exposed": [(115, 117)]}
+    for kind, pairs in spans.items():
+        for start, end in pairs:
+            timings.add(kind, 1, at(start), at(end))
+    timings.harvest(filed)
+    assert filed.offload_seconds == pytest.approx(0.032)  # still filed as before
+    phases_at = [("start", 0), ("pre", 1), ("x", 2), ("F1", 40), ("Blast", 95), ("step", 125)]
+    link.iteration([(phase, at(ms), 0.0, ()) for phase, ms in phases_at])
+    said = link.lines()
+    assert said[0].startswith(phase_probes.LINK_PREFIX)
+    assert "Blast=0.0/5.0/0.0" in said[0] and "step=20.0/5.0/2.0" in said[0]  # the copies out's union, clipped
+    assert said[1] == f"{phase_probes.GAPS_PREFIX} out step+25:10.0 | in "  # after 120 ms, nothing out for 10
+    assert phase_probes.merged([(5, 6), (1, 3), (2, 4)]) == [(1, 4), (5, 6)]
+    log = tmp_path / "row.log"
+    log.write_text("\n".join(said * 4))  # the first three left out
+    assert phase_probes.link_summary(log.read_text())["step"] == [20.0, 5.0]
+    assert phases.main(["--summary", str(log)]) == 0
+
+
+def test_link_is_an_option_before_the_script() -> None:
+    assert phases.options(["--link", "--allocator", "s.py"]) == ({"link": True, "allocator": True}, ["s.py"])
