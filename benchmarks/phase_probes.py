@@ -20,10 +20,10 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from benchmarks.phase_lines import SKIPPED_LINES, Event, Mark
+from megatron_offload.core.stats import KINDS  # copies out, copies back, the compute stream waiting: the line's order
 
 LINK_PREFIX = "link per phase (out/in/waited ms):"
 GAPS_PREFIX = "link stood still (phase+ms from its start:ms):"
-KINDS = ("offload", "prefetch", "exposed")  # the offloader's timing kinds (core/stats.py), in the line's order
 GAP_MS = 1.0
 AFTER_MS = 150.0  # past the step: the next first forward, which the copies out the step leaves run into
 
@@ -53,7 +53,8 @@ def gaps(union: list[Span], start: float, end: float, least: float = GAP_MS) -> 
 
 
 class LinkTimeline:
-    """The offloader's copy and wait events, and each finished iteration's phase marks; the lines at exit."""
+    """The offloader's copy and wait events, and each finished iteration's phase marks; the lines at exit. Every
+    event is kept to the end (a few thousand an iteration): for runs of tens of iterations, as benchmarks run."""
 
     def __init__(self) -> None:
         self.spans: list[tuple[str, Event, Event]] = []
