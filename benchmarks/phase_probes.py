@@ -54,7 +54,8 @@ def gaps(union: list[Span], start: float, end: float, least: float = GAP_MS) -> 
 
 class LinkTimeline:
     """The offloader's copy and wait events, and each finished iteration's phase marks; the lines at exit. Every
-    event is kept to the end (a few thousand an iteration): for runs of tens of iterations, as benchmarks run."""
+    event is kept to the end (over a thousand an iteration that moves state): for runs of tens of iterations, as
+    benchmarks run."""
 
     def __init__(self) -> None:
         self.spans: list[tuple[str, Event, Event]] = []
