@@ -21,6 +21,7 @@ from typing import Any
 
 from benchmarks.phase_lines import SKIPPED_LINES, Event, Mark
 from megatron_offload.core.stats import KINDS  # copies out, copies back, the compute stream waiting: the line's order
+from megatron_offload.core.streams import OFFLOAD, PREFETCH
 
 LINK_PREFIX = "link per phase (out/in/waited ms):"
 GAPS_PREFIX = "link stood still (phase+ms from its start:ms):"
@@ -93,12 +94,12 @@ class LinkTimeline:
                 for (_, start), (phase, end) in itertools.pairwise(times)
             ]
             said.append(f"{LINK_PREFIX} " + " ".join(parts))
-            holes = {kind: " ".join(self._gaps(times, unions[kind])) for kind in ("offload", "prefetch")}
-            said.append(f"{GAPS_PREFIX} out {holes['offload']} | in {holes['prefetch']}")
+            holes = {kind: " ".join(self._gaps(times, unions[kind])) for kind in (OFFLOAD, PREFETCH)}
+            said.append(f"{GAPS_PREFIX} out {holes[OFFLOAD]} | in {holes[PREFETCH]}")
         return said
 
     @staticmethod
-    def _gaps(times: list[tuple[str, float]], out: list[Span]) -> list[str]:
+    def _gaps(times: list[tuple[str, float]], union: list[Span]) -> list[str]:
         """One direction's holes from the last backward's start to ``AFTER_MS`` past the step (the next first
         forward), each as the phase it falls in, ms from that phase's start, and its length."""
         names = [phase for phase, _ in times]
@@ -106,7 +107,7 @@ class LinkTimeline:
             return []
         begin, end = times[names.index("Blast") - 1][1], times[-1][1] + AFTER_MS
         named = []
-        for hole_start, hole_end in gaps(out, begin, end):
+        for hole_start, hole_end in gaps(union, begin, end):
             phase, phase_start = _phase_at(times, hole_start)
             named.append(f"{phase}+{hole_start - phase_start:.0f}:{hole_end - hole_start:.1f}")
         return named
