@@ -54,13 +54,13 @@ def bring_back_for_step(handle: Handle) -> int:
         # iteration after the decision all of it: the step brings it back first, into blocks of its own).
         coming = sum(offloader.kept_to_come_back for offloader in handle.offloaders)
         room = max(0, handle.scheduler.backward_room(allocated_bytes() + handle.step_footprint() + coming))
-    started = handle.prefetch(max_bytes=room)
     for offloader in handle.offloaders:
-        # All of it now: megatron-core's code until the step has no point of ours that would start them.
-        # Copies in only: a copy out started here would hold megatron-core's next host read of a GPU value
-        # (one copy engine serves the device-to-host copies in order).
+        # All of it now: megatron-core's code until the step has no point of ours that would start them. First
+        # what the backward's hooks queued (earlier in the step's order), then each new chunk as it is queued: the
+        # link's way in starts with the first, not after the walk. Copies in only: a copy out started here would
+        # hold megatron-core's next host read of a GPU value (one copy engine serves the copies out in order).
         offloader.copies.flush(PREFETCH)
-    return started
+    return handle.prefetch(max_bytes=room, now=True)
 
 
 def wrap_finalize_functions(handle: Handle, model_chunks: Sequence[Any]) -> list[Any]:

@@ -64,14 +64,19 @@ class OffloadHandle:
             if not offloader.copies.idle:
                 offloader.copies.pump()
 
-    def prefetch(self, max_bytes: int | None = None, landed_only: bool = False) -> int:
-        """Start bringing state back, up to ``max_bytes`` (default: all); returns the bytes started."""
+    @property
+    def idle(self) -> bool:  # no copy queued or in flight in any offloader: a hook has nothing to pump
+        return all(offloader.copies.idle for offloader in self.offloaders)
+
+    def prefetch(self, max_bytes: int | None = None, landed_only: bool = False, now: bool = False) -> int:
+        """Start bringing state back, up to ``max_bytes`` (default: all); returns the bytes started (``now``:
+        each copy starts as it is queued, Offloader.prefetch)."""
         started = 0
         for offloader in self.offloaders:
             room = None if max_bytes is None else max_bytes - started
             if room is not None and room <= 0:
                 break
-            started += offloader.prefetch(room, landed_only=landed_only)
+            started += offloader.prefetch(room, landed_only=landed_only, now=now)
         return started
 
     def moving_chunks(self) -> list[int]:
@@ -124,15 +129,13 @@ class OffloadHandle:
         return max((streamed_step.footprint(offloader) for offloader in self.offloaders), default=0)
 
     def left_to_forward(self) -> int:
-        """Bytes of the early chunks' copies out the steps leave queued for the next forward's hooks (why not
-        within the step: share_out.py), all offloaders together: what the link carries in half the first forward
-        (its activations grow from its start, so the copies have about half of it); 0 until that was timed."""
+        """Bytes of the early chunks' copies out the steps leave for the next forward's hooks (why: share_out.py), all
+        offloaders together: what the link carries in half the first forward (its activations grow from its start)."""
         ms = self._room.first_forward_ms if self._room is not None else None
         return int(self.link_out() * ms / 1000 / 2) if ms else 0
 
     def link_out(self) -> float:
-        """Bytes per second the copies out have reached, all offloaders together (their own spans: at most
-        the link's speed); 0 until one was timed."""
+        """Bytes per second the copies out reached, all offloaders together (at most the link's); 0 until timed."""
         out = totals(offloader.stats for offloader in self.offloaders)
         return out.bytes_offloaded / out.offload_seconds if out.offload_seconds > 0 else 0.0
 
@@ -140,7 +143,7 @@ class OffloadHandle:
         """Each offloader's share of ``left_to_forward()`` (ShareOut's ``left`` in its step)."""
         return self.left_to_forward() // max(1, len(self.offloaders))
 
-    def count_hook_wait(self) -> None:
+    def count_hook_wait(self) -> None:  # the forward's hooks had the compute stream (or the host) wait
         self.hook_waits += 1
 
     def _on_step_start(self) -> None:
@@ -159,9 +162,9 @@ class OffloadHandle:
     # ------------------------------------------------------------------------------ scheduling
     def backward_done(self) -> None:
         """Backward is done, once an iteration: as megatron-core's finalize function begins (before its gradient checks
-        make the host wait for the GPU: finalize_prefetch.py), else as the step begins. Learn the limit, then start
-        back what the backward did not bring, as far as the step leaves room (``step``: its staging buffers), after the
-        backward on the device: beside megatron-core's work ahead of Adam, launched right after its checks, not ours."""
+        make the host wait for the GPU: finalize_prefetch.py), else as the step begins. Learn the limit, then start back
+        what the backward did not bring, as far as the step leaves room (``step``: its staging buffers), on the device
+        after the backward: beside megatron-core's work ahead of Adam."""
         if not self.on_cuda or self.backward_finished:
             return
         self.backward_finished = True  # until the step has ended
@@ -185,12 +188,10 @@ class OffloadHandle:
         budget = self.scheduler.backlog_budget(self.kept_bytes())
         self.step_backlog_bytes = self.pending_offload_bytes()
         if self.step_backlog_bytes > budget and not (self._room is not None and self._room.paces):
-            # On the host: the next forward needs this memory and no hook has learned when. Only in
-            # iteration 1, or without the forward's hooks (uncapped, the budget is large).
+            # On the host: the forward needs this memory and no hook learned when (iteration 1, or no hooks).
             self.drain_offloads(self.step_backlog_bytes - budget)
 
-    def smallest_footprint_note(self, peak_reserved: int, asked: int) -> str | None:
-        """KeptDecision.smallest_footprint_note, over this handle's offloaders."""
+    def smallest_footprint_note(self, peak_reserved: int, asked: int) -> str | None:  # KeptDecision's, over ours
         return self.decision.smallest_footprint_note(self.offloaders, peak_reserved, asked)
 
     def read_stats(self) -> OffloadStats:
@@ -233,8 +234,8 @@ class OffloadHandle:
                 stepped = True
                 return result
             finally:
-                # Successful, skipped or failed: the state leaves in one piece, never half-way; its copies
-                # start at the next points of the loop, a few at a time.
+                # Successful, skipped or failed: the state leaves in one piece, never half-way; its copies start
+                # at the next points of the loop, a few at a time.
                 for streamed in self.streamed_steps:
                     streamed.drop_staging()
                 for offloader in self.offloaders:
@@ -242,7 +243,7 @@ class OffloadHandle:
                     offloader.copies.pump()
                 self._after_step(stepped)
                 self.wrappers.wrap_finalize_functions(self)
-                self.quiet = not self.moving_chunks() and all(offloader.copies.idle for offloader in self.offloaders)
+                self.quiet = not self.moving_chunks() and self.idle
                 for hooks in filter(None, (self._pacer, self._room)):
                     hooks.new_iteration()
                 self.in_step = False

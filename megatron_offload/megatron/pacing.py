@@ -33,11 +33,12 @@ class Handle(Protocol):
     """What the hooks need of an OffloadHandle."""
 
     scheduler: StateScheduler
-    quiet: bool  # nothing moves and no copy is under way: the hooks return at once between readings
+    quiet: bool  # nothing moves and no copy is under way (set at each step's end): the backward's hooks return at once
+    idle: bool  # no copy queued or in flight now: the forward's hooks return at once between readings
 
     def pump(self) -> None: ...
     def moving_chunks(self) -> list[int]: ...
-    def prefetch(self, max_bytes: int | None = None, landed_only: bool = False) -> int: ...
+    def prefetch(self, max_bytes: int | None = None, landed_only: bool = False, now: bool = False) -> int: ...
     def pending_offload_bytes(self) -> int: ...
     def drain_offloads(self, nbytes: int | None = None) -> None: ...
     def release_offloads(self, nbytes: int | None = None) -> int: ...
@@ -61,8 +62,9 @@ class RoomForForward:
     added from that hook to this one (``naturals``): as read where the forward repeats the first, never less.
     If a reading plus what the rest of the first forward added would pass the limit even with every copy out
     landed (the workload grew), every copy out is given back and kept state goes too: slower, never out of
-    memory where offloading fits; a forward that grew is seen at the next reading. With nothing moving at all
-    (the handle's ``quiet``: the whole state kept), the hooks between readings return at once.
+    memory where offloading fits; a forward that grew is seen at the next reading. With no copy queued or in
+    flight (the handle's ``idle``: the later forwards, or the whole state kept), the hooks between readings return
+    at once: in a host-bound forward their time is the GPU's.
     Given a ``clock``, each first forward is also timed, on the device, from its first hook to its last
     (``first_forward_ms``, the shortest so far).
 
@@ -113,8 +115,8 @@ class RoomForForward:
         if not self.on_gpu:
             return
         self.calls += 1
-        if self.handle.quiet and self.calls < self.next_read and self.calls != len(self.hooks):
-            return  # no copy to start or retire, no reading due (the last hook times the forward)
+        if self.calls < self.next_read and self.calls != len(self.hooks) and self.handle.idle:
+            return  # no copy to start or retire, none pending, no reading due (the last hook times the forward)
         self.handle.pump()
         if self.clock is not None and not self.learning and self.calls in (1, len(self.hooks)):
             # Read after the step, without waiting: how long the first forward computes, for the step to

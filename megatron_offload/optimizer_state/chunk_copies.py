@@ -110,9 +110,12 @@ class ChunkCopies:
         self.stats.bytes_offloaded += chunk.nbytes
         return self.copies.put(copy, now=now)
 
-    def queue_prefetch(self, chunk: Chunk, block: Memory | None = None, after: Event | None = None) -> ChunkCopy:
+    def queue_prefetch(
+        self, chunk: Chunk, block: Memory | None = None, after: Event | None = None, now: bool = False
+    ) -> ChunkCopy:
         """Queue the chunk's copy back into ``block`` (default: new blocks, ``blocks_for``; ``after`` then
-        defaults to the compute stream's current end, as that memory may have been used by work still queued)."""
+        defaults to the compute stream's current end, as that memory may have been used by work still queued);
+        ``now``: start it at once (its stream waits on the device for ``after``, already queued)."""
         if block is None:
             block = self.blocks_for(chunk)
             after = after or self.streams.mark()
@@ -123,7 +126,7 @@ class ChunkCopies:
         ]
         copy = self._chunk_copy(chunk, PREFETCH, pairs, after=after, block=block)
         self.stats.bytes_prefetched += chunk.nbytes
-        return self.copies.put(copy)
+        return self.copies.put(copy, now=now)
 
     def cancel(self, copy: ChunkCopy) -> None:
         """Forget a copy that has not started: a chunk going out stays on the GPU, one coming back stays

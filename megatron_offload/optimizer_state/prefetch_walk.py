@@ -15,9 +15,12 @@ from megatron_offload.optimizer_state.plan import Plan
 __all__ = ["queue_back"]
 
 
-def queue_back(plan: Plan, mover: ChunkCopies, streams: Streams, max_bytes: int | None, landed_only: bool) -> int:
+def queue_back(
+    plan: Plan, mover: ChunkCopies, streams: Streams, max_bytes: int | None, landed_only: bool, now: bool = False
+) -> int:
     """Queue the plan's offloaded chunks back up to ``max_bytes`` (None: all); with ``landed_only``, only those
-    whose copy out has landed. Returns the bytes queued (the offloader's pump starts their copies)."""
+    whose copy out has landed. Returns the bytes queued (the offloader's pump starts their copies; ``now``: each
+    starts as it is queued)."""
     started, mark = 0, None
     settled = True  # every chunk so far is back or coming back
     for index in range(plan.back_until, len(plan.chunks)):
@@ -38,7 +41,7 @@ def queue_back(plan: Plan, mover: ChunkCopies, streams: Streams, max_bytes: int 
             break
         else:
             mark = mark or streams.mark()  # one mark for every block allocated here
-            mover.queue_prefetch(chunk, mover.blocks_for(chunk), after=mark)
+            mover.queue_prefetch(chunk, mover.blocks_for(chunk), after=mark, now=now)
             started += chunk.nbytes
         if settled:
             plan.back_until = index + 1

@@ -20,23 +20,27 @@ class Handle:
         self.offloaders: list = []
         self.on_cuda = False
         self.prefetched: list[int | None] = []
+        self.order: list[str] = []  # flushes and prefetches, in turn
 
     def step_footprint(self) -> int:
         return 0
 
-    def prefetch(self, max_bytes: int | None = None, landed_only: bool = False) -> int:
+    def prefetch(self, max_bytes: int | None = None, landed_only: bool = False, now: bool = False) -> int:
         self.prefetched.append(max_bytes)
+        self.order.append(f"prefetch now={now}")
         return 0
 
 
 class Copies:
     """An offloader's copy queue, as the wrapper meets it: it records which directions were flushed."""
 
-    def __init__(self) -> None:
+    def __init__(self, order: list[str] | None = None) -> None:
         self.flushed: list[str | None] = []
+        self.order = [] if order is None else order
 
     def flush(self, direction: str | None = None) -> None:
         self.flushed.append(direction)
+        self.order.append(f"flush {direction}")
 
 
 class Offloader:
@@ -74,14 +78,15 @@ def test_nothing_comes_back_early_until_what_stays_is_decided() -> None:
 
 def test_what_did_not_come_back_starts_back_as_the_step_begins_within_its_room(monkeypatch) -> None:
     """Backward done, the default starts back what the limit leaves beside what is allocated and the step's
-    own buffers, copies in only and all at once (no point of ours runs until the step); queued copies out
-    stay queued, for the loop's next points."""
+    own buffers, copies in only and all at once (no point of ours runs until the step), each as it is queued;
+    queued copies out stay queued, for the loop's next points."""
     from megatron_offload.core.streams import OFFLOAD, PREFETCH
     from megatron_offload.megatron import finalize_prefetch
 
     offloader = Offloader()
     handle = Handle()
     handle.on_cuda, handle.offloaders = True, [offloader]
+    offloader.copies.order = handle.order
     handle.step_footprint = lambda: GIB
     monkeypatch.setattr(finalize_prefetch, "allocated_bytes", lambda: 3 * GIB)
     handle.scheduler.start_step()
@@ -91,6 +96,8 @@ def test_what_did_not_come_back_starts_back_as_the_step_begins_within_its_room(m
     finalize_prefetch.bring_back_for_step(handle)
     assert handle.prefetched == [handle.scheduler.backward_room(4 * GIB)] and handle.prefetched[0] > 0
     assert offloader.copies.flushed == [PREFETCH] and OFFLOAD not in offloader.copies.flushed
+    # What the backward's hooks queued starts first (earlier in the step's order), then each new chunk as queued.
+    assert handle.order == [f"flush {PREFETCH}", "prefetch now=True"]
 
 
 def test_the_step_after_the_decision_leaves_room_for_the_kept_state_it_brings_back(monkeypatch) -> None:

@@ -49,7 +49,7 @@ class LastBackwards:
         self.hooks.on_gpu = True
         self.headroom = self.ledger.scheduler.headroom()
 
-    def prefetch(self, max_bytes: int | None = None, landed_only: bool = False) -> int:
+    def prefetch(self, max_bytes: int | None = None, landed_only: bool = False, now: bool = False) -> int:
         nbytes = min(max_bytes // (GIB // 4) * (GIB // 4), 10 * GIB - self.brought)
         self.brought += nbytes
         self.memory.set(self.memory.now + nbytes)

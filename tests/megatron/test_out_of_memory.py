@@ -138,7 +138,7 @@ def test_the_smallest_footprint_out_of_memory_says_what_training_needs_without_t
 class PumpRunsOutOfMemory:
     """A handle whose copies run out of memory as soon as a hook of the real pacing classes pumps them."""
 
-    quiet = False  # copies under way: every hook pumps
+    quiet = idle = False  # copies under way: every hook pumps
 
     def pump(self) -> None:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 224.00 MiB.")

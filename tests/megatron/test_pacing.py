@@ -32,9 +32,14 @@ class Ledger:
         self.waits = 0
         self.pumps = 0
         self.quiet = False  # what the handle said at the latest step's end
+        self.under_way = True  # copies other than ``pieces`` queued or in flight (copies in): every hook pumps
 
     def pump(self) -> None:
         self.pumps += 1
+
+    @property
+    def idle(self) -> bool:
+        return not self.pieces and not self.under_way
 
     def moving_chunks(self) -> list[int]:
         return [GIB] * 64
@@ -61,6 +66,7 @@ class Ledger:
     def evict(self, nbytes: int) -> int:
         self.evicted.append(nbytes)
         self.quiet = False  # as the handle's evict: its copies out move from here on
+        self.under_way = True  # released or not, they are in flight until a pump sees them landed
         moved, self.kept = self.kept, 0
         self.pieces.append(moved)
         return moved

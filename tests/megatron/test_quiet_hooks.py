@@ -1,6 +1,7 @@
 """With nothing moving (the whole state kept) and no copy under way, the training loop's hooks have nothing
 to do between the forward's memory readings: the handle says so after each step, and the hooks return at
-once until a reading is due, the readings where they were. What it proves, on a CPU: the handle says it only
+once until a reading is due, the readings where they were; so do a forward's hooks whenever no copy is queued
+or in flight (the later forwards, state moving). What it proves, on a CPU: the handle says it only
 when no chunk moves and every copy queue is idle; a quiet forward pumps only at its readings and its last
 hook, and reads as often as before; a growth seen at a reading evicts kept state and every later hook pumps
 its copies out again; a quiet backward's hooks neither pump nor count."""
@@ -31,13 +32,14 @@ def test_the_handle_says_quiet_only_when_no_chunk_moves_and_no_copy_is_under_way
     for offloader in offloaders:
         offloader.keep_bytes(offloader.plan.full_bytes())  # every chunk kept
         offloader.prefetch()  # and on its way back: a copy under way
+    assert not handle.idle
     step()
     said.append(handle.quiet)
     for offloader in offloaders:
         offloader.copies.drain()  # landed
     step()
     said.append(handle.quiet)
-    assert said == [False, False, True]
+    assert said == [False, False, True] and handle.idle
     assert handle.evict(1) > 0 and not handle.quiet  # kept state leaves: the forward's and backward's hooks pump
 
 
@@ -53,8 +55,11 @@ def readings(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     return allocated
 
 
-def forward_after_a_step(quiet: bool, readings: dict, kept: int = GIB, grown: int = 0) -> Ledger:
-    """A forward of four hooks, as learned (``grown`` more from hook 1 on), after a step that said ``quiet``."""
+def forward_after_a_step(
+    quiet: bool, readings: dict, kept: int = GIB, grown: int = 0, under_way: bool | None = None, leaving: int = 0
+) -> Ledger:
+    """A forward of four hooks, as learned (``grown`` more from hook 1 on), after a step that said ``quiet``;
+    ``under_way``: copies in queued or in flight (by default unless quiet), ``leaving``: bytes of copies out."""
     ledger = Ledger(10 * GIB)
     model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(4)])
     hooks = pacing.RoomForForward(ledger, [model])
@@ -63,6 +68,8 @@ def forward_after_a_step(quiet: bool, readings: dict, kept: int = GIB, grown: in
     ledger.kept = kept
     hooks.new_iteration()
     ledger.quiet = quiet  # what the handle said at the step's end
+    ledger.under_way = not quiet if under_way is None else under_way
+    ledger.pieces = [leaving] if leaving else []
     ledger.pumps = readings["n"] = 0
     for layer, natural in zip(model, PROFILE, strict=True):
         readings["bytes"] = natural + grown + ledger.kept
@@ -77,6 +84,16 @@ def test_a_quiet_forward_pumps_only_where_it_reads_and_at_its_last_hook(readings
     assert busy.pumps == 4 and quiet.pumps == 2  # hook 1 (the reading after the step) and hook 4 (the last)
     assert readings["n"] == busy_readings == 1  # the readings where they were
     assert quiet.evicted == [] and quiet.released == [] and quiet.drained == []
+
+
+def test_a_forward_with_state_moving_but_no_copy_under_way_pumps_only_where_it_reads(readings) -> None:
+    """The later forwards of an iteration: the state moves every step, but the copies out the step left have
+    landed and none comes back yet; their hooks between readings return at once, a copy pending makes them pump."""
+    idle = forward_after_a_step(False, readings, under_way=False)
+    assert idle.pumps == 2 and readings["n"] == 1  # hook 1 (reading) and hook 4 (the last), the reading kept
+    coming = forward_after_a_step(False, readings, under_way=True)
+    leaving = forward_after_a_step(False, readings, under_way=False, leaving=64 * 1024 * 1024)
+    assert coming.pumps == leaving.pumps == 4
 
 
 def test_a_growth_read_in_a_quiet_forward_evicts_and_every_later_hook_pumps_again(readings) -> None:

@@ -92,3 +92,27 @@ def test_chunks_whose_copy_back_the_step_dropped_come_back_at_the_next_call() ->
     streams.open_all()
     offloader.wait()
     assert all(torch.equal(m.detach(), v) for m, v in zip(masters, values, strict=True))
+
+
+def test_copies_back_started_now_run_behind_the_compute_streams_work_in_step_order() -> None:
+    """The bring-back as backward ends: every chunk's copy back starts as it is queued, its stream waiting on the
+    device for the compute stream's work (whose mark has not completed yet), in the step's order; the pump alone
+    starts none while that mark runs. The state that comes back is exact."""
+    streams = ManualStreams()
+    offloader, masters = offloaded_once(streams)
+    values = [master.detach().clone() for master in masters]
+    offloader.offload()
+    streams.open_all()
+    offloader.copies.drain()
+    before = len(streams.started)
+    assert offloader.prefetch() == offloader.stats.host_bytes
+    assert len(streams.started) == before  # the pump waits for the mark: nothing started on the host's side
+    offloader.offload(now=False)  # dropped again, never started
+    assert offloader.prefetch(now=True) == offloader.stats.host_bytes
+    started = streams.started[before:]
+    assert [d for d, _ in started] == ["prefetch"] * len(offloader.chunks)
+    assert [chunk.copy.done for chunk in offloader.chunks] == [gate for _, gate in started]  # in step order
+    assert not streams.marks[-1].open  # the compute stream's work still running
+    streams.open_all()
+    offloader.wait()
+    assert all(torch.equal(m.detach(), v) for m, v in zip(masters, values, strict=True))
