@@ -78,13 +78,19 @@ def test_the_backwards_calls_bring_back_every_landed_chunk_once_wherever_the_las
     assert all(chunk.on_gpu for chunk in chunks) and offloader.copies.idle
 
 
-def test_chunks_whose_copy_back_the_step_dropped_come_back_at_the_next_call() -> None:
-    streams = ManualStreams()
+def out_and_landed(streams: ManualStreams) -> tuple[OptimizerStateOffloader, list[torch.Tensor], list[torch.Tensor]]:
+    """An offloader whose state went out a second time and landed, with the masters' values then."""
     offloader, masters = offloaded_once(streams)
     values = [master.detach().clone() for master in masters]
     offloader.offload()
     streams.open_all()
     offloader.copies.drain()
+    return offloader, masters, values
+
+
+def test_chunks_whose_copy_back_the_step_dropped_come_back_at_the_next_call() -> None:
+    streams = ManualStreams()
+    offloader, masters, values = out_and_landed(streams)
     assert offloader.prefetch() == offloader.stats.host_bytes  # queued back; the compute stream's mark is running
     offloader.offload(now=False)  # the step's end: the copies back that never started are dropped
     assert offloader.copies.idle and not any(chunk.on_gpu for chunk in offloader.chunks)
@@ -99,11 +105,7 @@ def test_copies_back_started_now_run_behind_the_compute_streams_work_in_step_ord
     device for the compute stream's work (whose mark has not completed yet), in the step's order; the pump alone
     starts none while that mark runs. The state that comes back is exact."""
     streams = ManualStreams()
-    offloader, masters = offloaded_once(streams)
-    values = [master.detach().clone() for master in masters]
-    offloader.offload()
-    streams.open_all()
-    offloader.copies.drain()
+    offloader, masters, values = out_and_landed(streams)
     before = len(streams.started)
     assert offloader.prefetch() == offloader.stats.host_bytes
     assert len(streams.started) == before  # the pump waits for the mark: nothing started on the host's side
