@@ -69,8 +69,7 @@ class OffloadHandle:
         return all(offloader.copies.idle for offloader in self.offloaders)
 
     def prefetch(self, max_bytes: int | None = None, landed_only: bool = False, now: bool = False) -> int:
-        """Start bringing state back, up to ``max_bytes`` (default: all); returns the bytes started (``now``:
-        each copy starts as it is queued, Offloader.prefetch)."""
+        """Start bringing state back, up to ``max_bytes`` (default: all; ``now``: Offloader.prefetch's); the bytes."""
         started = 0
         for offloader in self.offloaders:
             room = None if max_bytes is None else max_bytes - started

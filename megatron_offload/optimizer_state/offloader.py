@@ -217,11 +217,9 @@ class OptimizerStateOffloader:
 
     @torch.no_grad()
     def prefetch(self, max_bytes: int | None = None, landed_only: bool = False, now: bool = False) -> int:
-        """Queue offloaded chunks back, in step order, up to ``max_bytes`` (default: all), and start
-        what may start. A chunk whose copy out has not started yet simply stays. With ``landed_only``,
-        only chunks whose copy out has landed (the backward's hooks); ``now``: start each copy as it is
-        queued, however many (the link busy from the first chunk, not from the walk's end). Returns the
-        bytes queued."""
+        """Queue offloaded chunks back, in step order, up to ``max_bytes`` (default: all), and start what may start.
+        A chunk whose copy out has not started yet simply stays. With ``landed_only``, only chunks whose copy out has
+        landed (the backward's hooks); ``now``: each copy starts as it is queued (the link busy from the first)."""
         self.copies.retire_landed()  # a chunk whose copy out has landed is on the host, not leaving
         started = queue_back(self.plan, self.mover, self.streams, max_bytes, landed_only, now)
         if started:
