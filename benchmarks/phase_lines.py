@@ -1,11 +1,12 @@
 """The lines benchmarks/phases.py prints, and reading them back: each iteration's GPU and host milliseconds per
 phase, the allocator's and the host's counters per phase, their medians or means over a log, and a table of
 runs side by side (the sweep's text uses it too); and the one host reading of an allocator line that is not a
-clock call (the main thread's runqueue time)."""
+clock call (the main thread's runqueue time, the machine's stolen time)."""
 
 from __future__ import annotations
 
 import itertools
+import os
 import re
 import statistics
 from pathlib import Path
@@ -16,10 +17,11 @@ ALLOCATOR_LINE = "allocator and host per phase"  # then its fields (COUNTED) in 
 ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free")
 # The fields of an allocator line. The main thread's CPU time beside its host ms tells a busy thread from one that
 # waited; its runqueue time, a wait for a core from a wait for the GIL or the driver; the other threads' CPU time
-# whether any of them ran then.
+# whether any of them ran then; the time the hypervisor ran other guests on this machine's cores (all of them
+# together), whether the host was slow because it was not ours.
 COUNTED = (
     "retries", "maps", "unmaps", "gc ms", "hooks ms", "main thread cpu ms", "other threads cpu ms",
-    "main thread runqueue ms",
+    "main thread runqueue ms", "stolen ms",
 )  # fmt: skip
 ALLOCATOR_PREFIX = f"{ALLOCATOR_LINE} ({'/'.join(COUNTED)}):"
 SKIPPED_LINES = 3  # the first iterations: the offloader learns, Megatron compiles
@@ -113,3 +115,13 @@ def runqueue_ms(schedstat: Path = Path("/proc/thread-self/schedstat")) -> float:
         return int(schedstat.read_text().split()[1]) / 1e6
     except (OSError, IndexError, ValueError):
         return 0.0
+
+
+def stolen_ms(stat: Path = Path("/proc/stat")) -> float:
+    """Milliseconds of CPU time the hypervisor gave other guests, all of this machine's cores together since boot
+    (``/proc/stat``'s first line, its eighth value, in clock ticks), 0 where the kernel reports none."""
+    try:
+        ticks = int(stat.read_text().split("\n", 1)[0].split()[8])
+    except (OSError, IndexError, ValueError):
+        return 0.0
+    return ticks * 1e3 / os.sysconf("SC_CLK_TCK")

@@ -1,12 +1,16 @@
 """What ``benchmarks/phases.py`` adds to its phases on request: the host's ms in this project's hooks and in
-Python's garbage collector (``--allocator``), and the host link's time per phase (``--link``).
+Python's garbage collector (``--allocator``), the host link's time per phase and what the last backward brought
+back (``--link``).
 
 The link's time comes from the offloader's own CUDA events, no profiler: each copy of optimizer state records
 one as it starts on its side stream (behind what it waits for) and one as it lands, and each wait of the compute
 stream for a copy records a pair around it. Per phase of each iteration, a line gives the ms the link carried
 state out, the ms it carried state in (the union of the copies' spans, clipped to the phase) and the ms the
 compute stream stood waiting; a second line lists, from the last backward to the next first forward, where
-each direction stood still for more than ``GAP_MS`` between two of its copies.
+each direction stood still for more than ``GAP_MS`` between two of its copies. After each step a third line
+(``note_bring_back``) gives the bytes the last backward's hooks brought back and those started back as it ended,
+of the bytes that move, and what bounded the hooks: the room the step leaves, what coming back early is worth,
+whether the allocator's retries limited or stopped them, whether the backward's growth was learned yet.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ LINK_PREFIX = "link per phase (out/in/waited ms):"
 GAPS_PREFIX = "link stood still (phase+ms from its start:ms):"
 GAP_MS = 1.0
 AFTER_MS = 150.0  # past the step: the next first forward, which the copies out the step leaves run into
+BRING_BACK_PREFIX = "last backward brought back (MiB):"
+MIB = 1 << 20
 
 Span = tuple[float, float]
 
@@ -163,3 +169,57 @@ def time_hooks(host_ms: dict[str, float]) -> None:
     prefetch = backward_prefetch.PrefetchDuringBackward
     prefetch.on_grad_ready = timed(prefetch.on_grad_ready)
     finalize_prefetch.bring_back_for_step = timed(finalize_prefetch.bring_back_for_step)
+
+
+def note_bring_back(say: Callable[[str], None]) -> None:
+    """After each step, before the last backward's pacer starts afresh (``PrefetchDuringBackward.new_iteration``),
+    one ``BRING_BACK_PREFIX`` line, where state moves (the module docstring); the bytes started back as the backward
+    ended are counted as ``finalize_prefetch.bring_back_for_step`` returns them (looked up at each call)."""
+    from megatron_offload.megatron import backward_prefetch, finalize_prefetch
+
+    at_end = [0]
+    bring_back = finalize_prefetch.bring_back_for_step
+
+    @functools.wraps(bring_back)
+    def counted(handle: Any) -> int:
+        at_end[0] = bring_back(handle)
+        return at_end[0]
+
+    finalize_prefetch.bring_back_for_step = counted
+    fresh = backward_prefetch.PrefetchDuringBackward.new_iteration
+
+    @functools.wraps(fresh)
+    def new_iteration(pacer: Any) -> None:
+        if pacer.moving:
+            bound = pacer._step_bound()
+            room = "unknown" if bound is None else f"{(bound + pacer.brought) // MIB}"
+            say(
+                f"{BRING_BACK_PREFIX} hooks {pacer.brought // MIB}, as it ended {at_end[0] // MIB}, of "
+                f"{pacer.moving // MIB} moving; room at the step {room}, worth {pacer.worth // MIB}; "
+                f"limited {pacer.limited}, stopped {pacer.stopped}, learned {pacer.ahead is not None}"
+            )
+        at_end[0] = 0
+        fresh(pacer)
+
+    backward_prefetch.PrefetchDuringBackward.new_iteration = new_iteration
+
+
+def bring_back_summary(text: str, skip: int = SKIPPED_LINES) -> str:
+    """A log's ``BRING_BACK_PREFIX`` lines after the first ``skip``: the medians of the hooks' and the end's MiB,
+    and in how many iterations the hooks were limited or stopped; empty without such lines."""
+    found = [
+        re.search(r"hooks (\d+), as it ended (\d+), .* limited (\w+), stopped (\w+)", line)
+        for line in text.splitlines()
+        if line.startswith(BRING_BACK_PREFIX)
+    ][skip:]
+    found = [match for match in found if match]
+    if not found:
+        return ""
+    hooks = statistics.median(int(m.group(1)) for m in found)
+    end = statistics.median(int(m.group(2)) for m in found)
+    limited = sum(m.group(3) == "True" for m in found)
+    stopped = sum(m.group(4) == "True" for m in found)
+    return (
+        f"back during the last backward {hooks:.0f} MiB, as it ended {end:.0f} MiB (medians of {len(found)} "
+        f"iterations); limited in {limited}, stopped in {stopped}"
+    )

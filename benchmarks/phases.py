@@ -24,13 +24,16 @@ completed, read without waiting; the rest at exit.
                                                      synchronizes every stream), its calls that mapped and
                                                      unmapped device memory, the host's ms in Python's
                                                      garbage collector and in this project's hooks, the CPU ms
-                                                     of the main thread and of all others, and the main thread's
-                                                     ms runnable without a CPU, a second line
+                                                     of the main thread and of all others, the main thread's
+                                                     ms runnable without a CPU and the ms the hypervisor gave
+                                                     this machine's cores to other guests, a second line
     python -m benchmarks.phases --link SCRIPT [ARGS...]
                                                      also, at exit, per phase of each iteration, the ms the host
                                                      link carried optimizer state each way and the compute stream
-                                                     waited for it, and where the link stood still from the last
-                                                     backward to the next first forward (phase_probes.py)
+                                                     waited for it, where the link stood still from the last
+                                                     backward to the next first forward, and, after each step,
+                                                     what the last backward brought back and what bounded it
+                                                     (phase_probes.py)
     python -m benchmarks.phases --snapshot-oom PATH SCRIPT [ARGS...]
                                                      where an allocation fails, the allocator's snapshot then
                                                      (PATH-oom.pickle) and the Python stack that asked (PATH-oom.txt)
@@ -53,8 +56,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.phase_lines import ALLOCATOR_COUNTERS, Event, Mark, counter_line, line, runqueue_ms, summary, table
-from benchmarks.phase_probes import LinkTimeline, link_summary, time_hooks
+from benchmarks import phase_lines
+from benchmarks.phase_lines import ALLOCATOR_COUNTERS, Event, Mark, counter_line, line, summary, table
+from benchmarks.phase_probes import LinkTimeline, bring_back_summary, link_summary, note_bring_back, time_hooks
 
 
 class Marks:
@@ -166,6 +170,9 @@ def main(argv: list[str]) -> int:
         links = {path: link_summary(Path(path).read_text()) for path in argv[1:]}
         if any(links.values()):  # runs with --link: each phase's median ms of copies out (copies in)
             print("link, out (in) ms:\n" + table({p: row for p, row in links.items() if row}), end="")
+        backs = {path: bring_back_summary(Path(path).read_text()) for path in argv[1:]}
+        for path in filter(backs.get, backs):  # runs with --link that moved state: what their last backwards brought
+            print(f"{path}: {backs[path]}")
         return 0
     found, argv = options(argv)
     import torch
@@ -206,10 +213,11 @@ def main(argv: list[str]) -> int:
     def counters() -> tuple[float, ...]:
         stats = torch._C._cuda_memoryStats(torch.cuda.current_device())
         allocator = tuple(int(stats.get(name, 0)) for name in ALLOCATOR_COUNTERS)
-        # The kernel's per-thread and per-process CPU clocks (a call each, no /proc walk), and the time this
-        # thread stood runnable without a core (schedstat's second field, ns; 0 where the kernel keeps none).
+        # The kernel's per-thread and per-process CPU clocks (a call each, no /proc walk), the time this thread
+        # stood runnable without a core (schedstat, 0 where the kernel keeps none), the machine's stolen time.
         main_cpu, all_cpu = time.thread_time() * 1e3, time.process_time() * 1e3
-        hosts = (host_ms["gc"], host_ms["hooks"], main_cpu, all_cpu - main_cpu, runqueue_ms())
+        stood, stolen = phase_lines.runqueue_ms(), phase_lines.stolen_ms()
+        hosts = (host_ms["gc"], host_ms["hooks"], main_cpu, all_cpu - main_cpu, stood, stolen)
         return (*allocator, *(round(ms, 2) for ms in hosts))
 
     def first_iteration() -> None:
@@ -221,6 +229,7 @@ def main(argv: list[str]) -> int:
     link = LinkTimeline() if found.get("link") else None
     if link is not None:
         link.install()
+        note_bring_back(say)
     on_done = link.iteration if link is not None else None
     marks = Marks(event, say, snapshot, counters if found.get("allocator") else None, first_iteration, on_done)
     install(marks, training, schedules, gpt_model.GPTModel)

@@ -1,0 +1,74 @@
+"""benchmarks/phase_probes.py and the stolen-time reading without a GPU: after each step, what the last backward
+brought back and what bounded it, read from the real backward pacer (its handle the backward tests' ledger, its
+memory readings the test's), and that line's summary; the machine's stolen time from a /proc/stat of the test's."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import phase_lines, phase_probes
+from megatron_offload.core.gpu_memory import Reading
+from megatron_offload.core.units import GIB
+from megatron_offload.megatron import backward_prefetch, finalize_prefetch
+from megatron_offload.optimizer_state.scheduler import Peaks
+from tests.megatron.test_backward_prefetch import Memory, Retrying
+
+
+def test_stolen_time_is_the_first_lines_eighth_value_in_milliseconds(tmp_path: Path) -> None:
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 50 1000 5 0 3 250 0 0\ncpu0 50 0 25 500 2 0 1 125 0 0\n")
+    assert phase_lines.stolen_ms(stat) == pytest.approx(250 * 1e3 / os.sysconf("SC_CLK_TCK"))
+    stat.write_text("cpu  100 0 50 1000\n")  # a kernel that counts no stolen time
+    assert phase_lines.stolen_ms(stat) == 0.0
+    assert phase_lines.stolen_ms(tmp_path / "missing") == 0.0
+    assert phase_lines.COUNTED[-1] == "stolen ms"  # the allocator line's last field
+
+
+def test_each_step_says_what_the_last_backward_brought_back_and_what_bounded_it(monkeypatch) -> None:
+    """One last backward an iteration brings back all 8 GiB moving until the allocator retried twice in each of
+    two of them: from then on it is limited to the 1 GiB the step leaves to the forward, and the lines say so,
+    with the bytes started back as each backward ended."""
+    # Restored after the test: note_bring_back replaces them for the rest of a process.
+    monkeypatch.setattr(backward_prefetch.PrefetchDuringBackward, "new_iteration",
+                        backward_prefetch.PrefetchDuringBackward.new_iteration)  # fmt: skip
+    monkeypatch.setattr(finalize_prefetch, "bring_back_for_step", lambda handle: 3 * GIB)  # the handle's, here
+    said: list[str] = []
+    phase_probes.note_bring_back(said.append)
+    retries = {"count": 0}
+    memory = Memory(2 * GIB).install(monkeypatch)
+    monkeypatch.setattr(backward_prefetch, "read_memory", lambda: Reading(memory.now, memory.now, retries["count"]))
+    ledger = Retrying()
+    ledger.scheduler.start_step()
+    ledger.scheduler.observe_step_end(Peaks(4 * GIB, 4 * GIB), resident=0)
+    param = torch.nn.Parameter(torch.zeros(2))
+    hooks = backward_prefetch.PrefetchDuringBackward(ledger, [torch.nn.Linear(2, 2)], lambda: True)
+    hooks.on_gpu = True
+
+    def iteration(retried: int = 0) -> None:
+        hooks.on_grad_ready(param)  # one backward per iteration, each the last
+        retries["count"] += retried
+        hooks.on_backward_done()
+        finalize_prefetch.bring_back_for_step(ledger)  # as the handle starts the rest back once backward is done
+        hooks.on_step_start()
+        hooks.new_iteration()
+
+    iteration()  # learns the backwards per iteration: nothing moving is known yet, no line
+    assert said == []
+    iteration()  # learns what the backward and the step hold
+    assert said[-1].startswith(f"{phase_probes.BRING_BACK_PREFIX} hooks 0, as it ended 3072, of 8192 moving;")
+    assert said[-1].endswith("limited False, stopped False, learned True")
+    iteration(retried=2)
+    iteration(retried=2)
+    assert "hooks 8192," in said[-1] and said[-1].endswith("limited True, stopped False, learned True")
+    iteration()
+    assert "hooks 1024," in said[-1] and "worth 1024;" in said[-1]
+    summary = phase_probes.bring_back_summary("\n".join(said), skip=2)
+    assert summary == (
+        "back during the last backward 4608 MiB, as it ended 3072 MiB (medians of 2 iterations); "
+        "limited in 2, stopped in 0"
+    )
+    assert phase_probes.bring_back_summary("no such lines") == ""
