@@ -11,11 +11,9 @@ import pytest
 import torch
 
 from benchmarks import phase_lines, phase_probes
-from megatron_offload.core.gpu_memory import Reading
 from megatron_offload.core.units import GIB
 from megatron_offload.megatron import backward_prefetch, finalize_prefetch
-from megatron_offload.optimizer_state.scheduler import Peaks
-from tests.megatron.test_backward_prefetch import Memory, Retrying
+from tests.megatron.test_backward_prefetch import RETRIES, Memory, Retrying
 
 
 def test_stolen_time_is_the_first_lines_eighth_value_in_milliseconds(tmp_path: Path) -> None:
@@ -38,19 +36,14 @@ def test_each_step_says_what_the_last_backward_brought_back_and_what_bounded_it(
     monkeypatch.setattr(finalize_prefetch, "bring_back_for_step", lambda handle: 3 * GIB)  # the handle's, here
     said: list[str] = []
     phase_probes.note_bring_back(said.append)
-    retries = {"count": 0}
-    memory = Memory(2 * GIB).install(monkeypatch)
-    monkeypatch.setattr(backward_prefetch, "read_memory", lambda: Reading(memory.now, memory.now, retries["count"]))
+    monkeypatch.setitem(RETRIES, "count", 0)
+    Memory(2 * GIB).install(monkeypatch)  # its readings count RETRIES
     ledger = Retrying()
-    ledger.scheduler.start_step()
-    ledger.scheduler.observe_step_end(Peaks(4 * GIB, 4 * GIB), resident=0)
-    param = torch.nn.Parameter(torch.zeros(2))
-    hooks = backward_prefetch.PrefetchDuringBackward(ledger, [torch.nn.Linear(2, 2)], lambda: True)
-    hooks.on_gpu = True
+    param, hooks = torch.nn.Parameter(torch.zeros(2)), ledger.pacer()  # the gradient the hooks are told of
 
     def iteration(retried: int = 0) -> None:
         hooks.on_grad_ready(param)  # one backward per iteration, each the last
-        retries["count"] += retried
+        RETRIES["count"] += retried
         hooks.on_backward_done()
         finalize_prefetch.bring_back_for_step(ledger)  # as the handle starts the rest back once backward is done
         hooks.on_step_start()

@@ -153,6 +153,14 @@ class Retrying(BackwardLedger):
         self.asked.append(max_bytes)
         return min(max_bytes // (GIB // 2) * (GIB // 2), 8 * GIB)  # one call a backward here
 
+    def pacer(self) -> backward_prefetch.PrefetchDuringBackward:
+        """Backward hooks over this ledger, the forward's peak at 4 of its 20 GiB."""
+        self.scheduler.start_step()
+        self.scheduler.observe_step_end(Peaks(4 * GIB, 4 * GIB), resident=0)
+        hooks = backward_prefetch.PrefetchDuringBackward(self, [torch.nn.Linear(2, 2)], lambda: True)
+        hooks.on_gpu = True
+        return hooks
+
 
 @pytest.mark.parametrize(
     ("retries", "brings_back", "limited"),
@@ -166,23 +174,17 @@ def test_retries_while_state_comes_back_limit_later_backwards_to_what_the_step_l
     then on the last backward brings back at most the bytes the step leaves to the next forward (the rest
     comes in the step, beside its copies out), as they are at each iteration. One retry a backward, spikes
     apart, or retries with nothing brought back change nothing."""
-    readings = {"retries": 0}
-    memory = Memory(2 * GIB).install(monkeypatch)
-    monkeypatch.setattr(backward_prefetch, "read_memory", lambda: Reading(memory.now, memory.now, readings["retries"]))
+    Memory(2 * GIB).install(monkeypatch)  # its readings count RETRIES
     ledger = Retrying()
-    ledger.scheduler.start_step()
-    ledger.scheduler.observe_step_end(Peaks(4 * GIB, 4 * GIB), resident=0)
     if not brings_back:
         ledger.prefetch = lambda max_bytes=None, landed_only=False: ledger.asked.append(max_bytes) or 0
-    param = torch.nn.Parameter(torch.zeros(2))
-    hooks = backward_prefetch.PrefetchDuringBackward(ledger, [torch.nn.Linear(2, 2)], lambda: True)
-    hooks.on_gpu = True
+    param, hooks = torch.nn.Parameter(torch.zeros(2)), ledger.pacer()  # the gradient the hooks are told of
 
     def iteration(retried: int = 0, at_step: int = 0) -> int:
         hooks.on_grad_ready(param)  # one backward per iteration, each the last
-        readings["retries"] += retried  # the allocator retried during it
+        RETRIES["count"] += retried  # the allocator retried during it
         hooks.on_backward_done()
-        readings["retries"] += at_step  # state the step's start brought back made it retry: not the backward's
+        RETRIES["count"] += at_step  # state the step's start brought back made it retry: not the backward's
         hooks.on_step_start()
         brought = hooks.brought
         hooks.new_iteration()
