@@ -40,7 +40,8 @@ offload, one uncapped upstream, ours (the default) once per cap (no offload and 
 from their uncapped runs). Estimate on one H100, start-up ~25 s (no offload), ~45-50 s (offloading) a run:
 global batch 8, caps 90 75 50 25 without upstream: 5 runs, ~6 min; all five caps with upstream: 7 runs,
 ~8 min; global batch 32, caps 90 50: 4 runs, ~5.5 min (at interval 5, 40 iterations a run: more). Each run's JSON
-and plot are written as it ends, so a call cut off still leaves the caps done. When nothing can run (no
+and plot are written as it ends, so a call cut off still leaves the caps done. The host's pace is sampled
+beside every run (host_pace.py, ``host-pace.txt``) and printed beside each row. When nothing can run (no
 CUDA GPU, no Megatron-LM script at ``--megatron-lm``, no megatron.training) it stops at once, one line.
 
     python -m benchmarks.megatron_side_by_side --megatron-lm PATH [--upstream-megatron-lm PATH]
@@ -59,6 +60,7 @@ from typing import Any
 from benchmarks import megatron_job as job
 from benchmarks import memory_speed_curve as curve
 from benchmarks import memory_speed_sweep
+from benchmarks.host_pace import PaceLog
 from benchmarks.side_by_side_args import parse_args
 from benchmarks.side_by_side_profile import run_profiled
 from benchmarks.side_by_side_rounds import in_turn, pool, round_name
@@ -156,7 +158,8 @@ def sweep(args: argparse.Namespace, results: dict[str, Any], clients: dict[str, 
     print(f"sweep: caps {args.caps}{rounds}, about {estimate / 60:.1f} min ({runs} runs)", flush=True)
     flags = {"ours": OFFLOAD, "upstream": UPSTREAM_OFFLOAD}
     head = {key: results[key] for key in ("config", "client", "commit", "gpus", "upstream") if key in results}
-    result = memory_speed_sweep.run_sweep(args, clients, env, job.run, flags, head)
+    with PaceLog(args.out / "host-pace.txt") as pace:  # the host's pace beside every run (host_pace.py)
+        result = memory_speed_sweep.run_sweep(args, clients, env, pace.timed(job.run), flags, head)
     if "error" in result:
         (args.out / "curve.json").write_text(json.dumps(result, indent=1, default=str))
         print(f"megatron_side_by_side: sweep stopped: {result['error']}")

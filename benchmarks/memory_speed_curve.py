@@ -23,6 +23,8 @@ iteration. The link is the one a run's log states, else the one our capped runs'
 said so in the JSON); the first forward a third of a micro-batch's share of the no-offload iteration (forward is
 about a third of forward and backward), else ``--first-forward-ms``.
 
+Each row also says the host's pace over its counted iterations (host_pace.py): Megatron's forwards are host-bound
+on the lent machines, whose pace flips between two levels; rows that ran at different paces do not compare.
 Here: the caps, the floor, the cells and the curve's plot and text; the runs that fill it: memory_speed_sweep.py.
 """
 
@@ -32,6 +34,7 @@ import statistics
 from typing import Any
 
 from benchmarks import phase_lines
+from benchmarks.host_pace import pace_text, pooled_pace
 from benchmarks.memory_report import GB, GIB
 
 DEFAULT_CAPS = (90, 50, 0, 75, 25)  # most telling first: a call cut off at its limit still leaves a curve
@@ -139,7 +142,7 @@ def pooled_cell(
     for key in ("offloaded_GiB", "link_GBps", "wall_s", "phases_ms"):
         if runs[0].get(key) is not None:
             row[key] = runs[0][key]
-    row |= highest_peaks(runs)
+    row |= highest_peaks(runs) | pooled_pace(runs)
     retries = [n for figures in runs for n in in_window(figures, "allocator_retries_by_iteration", window)]
     if retries:  # the caching allocator ran short under the cap in the timed iterations: each a stall
         row["allocator_retries"] = sum(retries)
@@ -216,7 +219,8 @@ def table(result: dict[str, Any]) -> str:
     lines = [f"memory-speed curve, global batch {result.get('global_batch') or 'of the config'} "
              f"({result.get('micro_batches')} micro-batches), --log-interval {result.get('log_interval', 1)}, "
              f"state {result['state']['GiB']:.2f} GiB, "
-             f"no offload {result['no_offload']['ms_per_iter']:.1f} ms/iter{rounds_text(result['no_offload'])}, "
+             f"no offload {result['no_offload']['ms_per_iter']:.1f} ms/iter{rounds_text(result['no_offload'])}"
+             f"{pace_text(result['no_offload'])}, "
              f"link {result['link']['GBps']:.1f} GB/s "
              f"({result['link']['source']})"]  # fmt: skip
     for plan in result["caps"]:
@@ -235,7 +239,7 @@ def table(result: dict[str, Any]) -> str:
                          + (f"  allocator retries {row['allocator_retries']}" if row.get("allocator_retries") else "")
                          + (f"  streamed in step {row['streamed_in_step_GiB']:.2f} GiB"
                             if row.get("streamed_in_step_GiB") else "")
-                         + ("  (from its uncapped run)" if "derived" in row else ""))  # fmt: skip
+                         + ("  (from its uncapped run)" if "derived" in row else "") + pace_text(row))  # fmt: skip
     marked = {f"cap {plan['percent']}%: {name}": row["phases_ms"] for plan in result["caps"]
               for name, row in plan["rows"].items() if row.get("phases_ms") and "derived" not in row}  # fmt: skip
     if marked and result["no_offload"].get("phases_ms"):
