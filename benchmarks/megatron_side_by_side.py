@@ -20,7 +20,9 @@ no-offload row.
 
 ``--rounds N`` runs every row of the matrix that ran N times, in turn, every second round in reverse order (the
 machine's pace drifts over a call): each row's ms/iter is the median of its counted iterations from all rounds,
-each round's own beside it.
+each round's own beside it. The host's pace is sampled beside every run of the matrix and the sweep
+(host_pace.py, ``host-pace.txt`` under ``--out``) and printed beside each row: two rows that ran at different
+paces do not compare.
 
 ``--profile [NAME ...]`` adds a separate, profiled run of each named row (default: no offload, full
 offload, prefetch step and, with upstream, its two rows) at the first log interval, under Megatron's
@@ -40,8 +42,7 @@ offload, one uncapped upstream, ours (the default) once per cap (no offload and 
 from their uncapped runs). Estimate on one H100, start-up ~25 s (no offload), ~45-50 s (offloading) a run:
 global batch 8, caps 90 75 50 25 without upstream: 5 runs, ~6 min; all five caps with upstream: 7 runs,
 ~8 min; global batch 32, caps 90 50: 4 runs, ~5.5 min (at interval 5, 40 iterations a run: more). Each run's JSON
-and plot are written as it ends, so a call cut off still leaves the caps done. The host's pace is sampled
-beside every run (host_pace.py, ``host-pace.txt``) and printed beside each row. When nothing can run (no
+and plot are written as it ends, so a call cut off still leaves the caps done. When nothing can run (no
 CUDA GPU, no Megatron-LM script at ``--megatron-lm``, no megatron.training) it stops at once, one line.
 
     python -m benchmarks.megatron_side_by_side --megatron-lm PATH [--upstream-megatron-lm PATH]
@@ -55,6 +56,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from benchmarks import megatron_job as job
@@ -84,48 +86,63 @@ from megatron_offload.core.units import cap_below_peak
 def run_matrix(args: argparse.Namespace, results: dict[str, Any], clients: dict[str, list[str]], env: dict) -> None:
     """The matrix at every log interval, our rows then upstream's, each compared with its own base; with
     ``--rounds N``, every row that ran in the first round runs N - 1 times more, in turn (``in_turn``), and each
-    row's rounds are pooled (side_by_side_rounds.py). A row that failed in the first round is not run again."""
+    row's rounds are pooled (side_by_side_rounds.py). A row that failed in the first round is not run again.
+    Each run gets the host's pace over its counted iterations (host_pace.py)."""
+    with PaceLog(args.out / "host-pace.txt") as pace:
+        run = pace.timed(job.run)
+        for interval in args.log_intervals:
+            results["runs"][f"log-interval {interval}"] = run_interval(args, results, clients, env, interval, run)
+            (args.out / "side_by_side.json").write_text(json.dumps(results, indent=1, default=str))
+
+
+def run_interval(
+    args: argparse.Namespace,
+    results: dict[str, Any],
+    clients: dict[str, list[str]],
+    env: dict,
+    interval: int,
+    run: Callable[..., dict[str, Any]],
+) -> dict[str, Any]:
+    """The matrix at one log interval (``run_matrix``), through ``run`` (the job runner)."""
     upstream_rows = selected_upstream_rows(set(args.only or ()), "upstream" in clients)
-    for interval in args.log_intervals:
-        tail = ["--train-iters", str(args.train_iters), *args.extra, "--log-interval", str(interval)]
-        argv = [*clients["ours"], *tail]
-        runs: dict[str, Any] = {}
-        ran: dict[str, tuple[list[str], dict | None, dict]] = {}  # row: (argv, env, figures added to its runs)
-        for name, flags, cap_share in MATRIX:
-            if args.only and name not in args.only and not (name == "no offload" and not args.caps_from):
+    tail = ["--train-iters", str(args.train_iters), *args.extra, "--log-interval", str(interval)]
+    argv = [*clients["ours"], *tail]
+    runs: dict[str, Any] = {}
+    ran: dict[str, tuple[list[str], dict | None, dict]] = {}  # row: (argv, env, figures added to its runs)
+    for name, flags, cap_share in MATRIX:
+        if args.only and name not in args.only and not (name == "no offload" and not args.caps_from):
+            continue
+        full = argv + ([] if flags is None else OFFLOAD + flags)
+        if cap_share is not None:
+            base, offload = runs.get("no offload", {}), runs.get("full offload (auto)", {})
+            state = offload.get("offloaded_GiB") or results.get("state_GiB")
+            if args.caps_from:
+                base, state = {"peak_allocated_GiB": args.caps_from[0]}, args.caps_from[1]
+            if "error" in base or not state or "peak_allocated_GiB" not in base:
+                runs[name] = {"error": "no uncapped no-offload peak or state size to cap from"}
                 continue
-            full = argv + ([] if flags is None else OFFLOAD + flags)
-            if cap_share is not None:
-                base, offload = runs.get("no offload", {}), runs.get("full offload (auto)", {})
-                state = offload.get("offloaded_GiB") or results.get("state_GiB")
-                if args.caps_from:
-                    base, state = {"peak_allocated_GiB": args.caps_from[0]}, args.caps_from[1]
-                if "error" in base or not state or "peak_allocated_GiB" not in base:
-                    runs[name] = {"error": "no uncapped no-offload peak or state size to cap from"}
-                    continue
-                results["state_GiB"] = state
-                cap = cap_below_peak(base["peak_allocated_GiB"], state, cap_share)
-                results[f"cap {cap_share:.0%} GiB"] = cap
-                full += ["--offload-gpu-memory-cap-gib", f"{cap:.3f}"]
-            added = {"cap_GiB": cap} if cap_share is not None else {}
-            ran[name] = (full, None, added)
-            runs[name] = job.run(round_name(interval, slug(name), 1), full, args.gpus, args.out) | added
-        for name, flags in upstream_rows:
-            ran[name] = ([*clients["upstream"], *tail, *flags], env, {})
-            runs[name] = job.run(round_name(interval, slug(name), 1), ran[name][0], args.gpus, args.out, env)
-        rounds = {name: [figures] for name, figures in runs.items() if name in ran and "error" not in figures}
-        for round_ in range(2, args.rounds + 1):  # the same runs again, every second round in reverse
-            for name in in_turn(list(rounds), round_):
-                run_argv, run_env, added = ran[name]
-                again = job.run(round_name(interval, slug(name), round_), run_argv, args.gpus, args.out, run_env)
-                rounds[name].append(again | added)
-        runs |= {name: pool(figures) for name, figures in rounds.items()}
-        if "no offload" in runs:
-            compare(runs, "no offload", [name for name, _, _ in MATRIX])
-        if UPSTREAM_BASE in runs:
-            compare(runs, UPSTREAM_BASE, [name for name, _ in UPSTREAM])
-        results["runs"][f"log-interval {interval}"] = runs
-        (args.out / "side_by_side.json").write_text(json.dumps(results, indent=1, default=str))
+            results["state_GiB"] = state
+            cap = cap_below_peak(base["peak_allocated_GiB"], state, cap_share)
+            results[f"cap {cap_share:.0%} GiB"] = cap
+            full += ["--offload-gpu-memory-cap-gib", f"{cap:.3f}"]
+        added = {"cap_GiB": cap} if cap_share is not None else {}
+        ran[name] = (full, None, added)
+        runs[name] = run(round_name(interval, slug(name), 1), full, args.gpus, args.out) | added
+    for name, flags in upstream_rows:
+        ran[name] = ([*clients["upstream"], *tail, *flags], env, {})
+        runs[name] = run(round_name(interval, slug(name), 1), ran[name][0], args.gpus, args.out, env)
+    rounds = {name: [figures] for name, figures in runs.items() if name in ran and "error" not in figures}
+    for round_ in range(2, args.rounds + 1):  # the same runs again, every second round in reverse
+        for name in in_turn(list(rounds), round_):
+            run_argv, run_env, added = ran[name]
+            again = run(round_name(interval, slug(name), round_), run_argv, args.gpus, args.out, run_env)
+            rounds[name].append(again | added)
+    runs |= {name: pool(figures) for name, figures in rounds.items()}
+    if "no offload" in runs:
+        compare(runs, "no offload", [name for name, _, _ in MATRIX])
+    if UPSTREAM_BASE in runs:
+        compare(runs, UPSTREAM_BASE, [name for name, _ in UPSTREAM])
+    return runs
 
 
 def failures(results: dict[str, Any]) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from benchmarks.host_pace import pooled_pace
 from benchmarks.megatron_job import steady
 from benchmarks.memory_speed_curve import highest_peaks, pooled_medians
 
@@ -37,7 +38,8 @@ def counted(figures: dict[str, Any]) -> list[float]:
 
 def pool(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One row from its runs, one per round, in order: the first round's figures, with ``step_ms`` the median
-    of every round's counted iterations and ``step_ms_per_round`` each round's own, the highest peaks, and
+    of every round's counted iterations and ``step_ms_per_round`` each round's own, the highest peaks, each
+    round's host pace (``host_pace_ms``), and
     losses only where every round logged the same ones (None otherwise: the row then differs from its base,
     as a row whose losses change between two runs of the same flags must). A round that failed is the row's
     outcome."""
@@ -48,7 +50,7 @@ def pool(runs: list[dict[str, Any]]) -> dict[str, Any]:
         return failed | {"rounds": len(runs)}
     pooled = dict(runs[0])
     pooled["step_ms"], pooled["step_ms_per_round"] = pooled_medians([counted(figures) for figures in runs])
-    pooled |= highest_peaks(runs)
+    pooled |= highest_peaks(runs) | pooled_pace(runs)
     if any(figures.get("losses") != runs[0].get("losses") for figures in runs[1:]):
         pooled["losses"] = None
     pooled["rounds"] = len(runs)

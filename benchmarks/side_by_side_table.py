@@ -1,11 +1,12 @@
 """megatron_side_by_side.py's table (table.txt and what it prints): per log interval each row's ms/iter, its
-ratio to its base, peaks, cap, exposed copy time, whether its losses equal its base's and each round's median
-(``--rounds``); then the profiled runs and their trace comparison."""
+ratio to its base, peaks, cap, exposed copy time, whether its losses equal its base's, each round's median
+(``--rounds``) and the host's pace (host_pace.py); then the profiled runs and their trace comparison."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from benchmarks.host_pace import pace_text
 from benchmarks.memory_speed_curve import rounds_text
 from benchmarks.side_by_side_rows import UPSTREAM_BASE
 from benchmarks.trace_summary import table as trace_table
@@ -32,7 +33,7 @@ def table(results: dict[str, Any]) -> str:
             lines.append(
                 f"{name:26} {r['step_ms']:8.1f} {r.get('x_base', 1):7.3f} {r.get('peak_allocated_GiB', 0):10.2f} "
                 f"{r.get('peak_reserved_GiB', 0):10.2f} {r.get('cap_GiB', 0):6.2f} {exposed:>8}"
-                f"  {equal}{rounds_text(r, 'step_ms_per_round')}"
+                f"  {equal}{rounds_text(r, 'step_ms_per_round')}{pace_text(r)}"
             )
     if "profiled" in results:
         lines += ["", f"profiled: {results['profiled']['note']}"]

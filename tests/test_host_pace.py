@@ -103,3 +103,29 @@ def test_the_sweep_prints_the_hosts_pace_beside_each_row(monkeypatch: pytest.Mon
     text = (tmp_path / "curve.txt").read_text()
     assert text.count(" ms, ") >= 2 and "% slow" in text.splitlines()[0]  # no offload's pace in the header
     assert curve.pooled_cell([{"step_ms_by_iteration": {3: 1.0}}], None).get("host_pace_ms") is None
+
+
+def test_the_matrix_gives_every_run_its_pace_and_a_pooled_row_each_rounds(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from tests.side_by_side_helpers import fake_run, run_main
+
+    worked = fake_run(set())
+
+    def run(name: str, argv: list[str], gpus: int, out: Path, env_extra: dict | None = None) -> dict:
+        samples = lines_in(out / "host-pace.txt", 1)  # the matrix's sampler, started before the first run
+        span = (samples[0][0] - 1, samples[-1][0] + 1)
+        return worked(name, argv, gpus, out, env_extra) | {"counted_span": span}
+
+    monkeypatch.setattr(side, "preflight", lambda argv: None)
+    argv = ["--out", str(tmp_path), "--log-intervals", "1", "--rounds", "2", "--only", "no offload", "prefetch step"]
+    code, calls = run_main(monkeypatch, argv, run)
+    assert code == 0 and len(calls) == 4
+    rows = json.loads((tmp_path / "side_by_side.json").read_text())["runs"]["log-interval 1"]
+    assert len(rows["prefetch step"]["host_pace_ms"]) == 2 and len(rows["no offload"]["host_slow_share"]) == 2
+    lines = [
+        line
+        for line in (tmp_path / "table.txt").read_text().splitlines()
+        if line.startswith(("no offload", "prefetch"))
+    ]
+    assert len(lines) == 2 and all(line.count("% slow") == 2 for line in lines)
