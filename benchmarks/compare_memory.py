@@ -10,15 +10,17 @@ offload row's step time is held to its floor (benchmarks/memory_checks.py) and i
 baseline's, bitwise. The limits are configs/nightly_thresholds.yaml. The judged runs record no allocator
 history (it slows a step and widens its spread): memory_timeline.png comes from a short run of each of
 TIMELINES that ran through, the same command with --record-memory-history for TIMELINE_ITERS iterations.
+Beside the judged runs the host's pace is sampled (benchmarks/host_pace.py, DIR/host-pace.txt) and each row
+says it over its steady iterations: on a host whose pace flips, rows that ran at different paces do not compare.
 
     python -m benchmarks.compare_memory --config configs/nightly_memory.yaml --out DIR [--gpus N] [--iters N] \\
         [--thresholds FILE] [-- EXTRA MEGATRON ARGS]
     python -m benchmarks.compare_memory --from-logs DIR      # re-parse DIR/<run>.log (+ snapshots), rewrite the report
 
 Writes DIR/<run>.log, DIR/<name>.timeline.log and DIR/<name>.snapshot.pickle (the timeline runs),
-run_info.json, report.json, report.md, and (with matplotlib) peak_memory.png and memory_timeline.png. Exit
-status: 0 when every check passed, 1 when one failed, 2 on a usage error or when the baseline or step run
-failed; a failed timeline run only leaves its line out of memory_timeline.png.
+host-pace.txt, run_info.json, report.json, report.md, and (with matplotlib) peak_memory.png and
+memory_timeline.png. Exit status: 0 when every check passed, 1 when one failed, 2 on a usage error or when the
+baseline or step run failed; a failed timeline run only leaves its line out of memory_timeline.png.
 """
 
 from __future__ import annotations

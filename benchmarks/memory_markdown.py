@@ -17,8 +17,9 @@ def _run_rows(report: dict[str, Any]) -> list[str]:
     base_ms = runs["baseline"]["summary"]["median_step_ms"]
     lines = [
         "| run | flags | status | median step ms (quartiles) | x no offload | floor ms | threshold ms "
-        "| peak allocated GiB | peak reserved GiB | offloaded GiB/rank | link out/back GB/s | final loss |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| peak allocated GiB | peak reserved GiB | offloaded GiB/rank | link out/back GB/s | host pace ms (slow) "
+        "| final loss |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, run in runs.items():
         s, floor = run["summary"], floors.get(name, {})
@@ -29,11 +30,13 @@ def _run_rows(report: dict[str, Any]) -> list[str]:
         flags = " ".join(run.get("flags", [])) or "—"
         spread = s.get("quartile_step_ms")
         median = _cell(s["median_step_ms"], ".1f") + (f" ({spread[0]:.0f}-{spread[1]:.0f})" if spread else "")
+        pace, slow = s.get("host_pace_ms"), s.get("host_slow_share")
+        host = "—" if pace is None else f"{pace:.2f} ({slow:.0%})"
         lines.append(
             f"| {name} | `{flags}` | {status} | {median} | {_cell(ratio, '.3f')} | "
             f"{_cell(floor.get('floor_ms'), '.1f')} | {_cell(floor.get('threshold_ms'), '.1f')} | "
             f"{_cell(s['peak_gib'], '.2f')} | {_cell(s['max_reserved_gib'], '.2f')} | "
-            f"{_cell(s['offloaded_gib'], '.2f')} | {link} | "
+            f"{_cell(s['offloaded_gib'], '.2f')} | {link} | {host} | "
             f"{_cell(s['final_loss'], '.6E')} |"
         )
     return lines
@@ -59,7 +62,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         "A row's floor: no offload's step time plus the time its offloaded bytes take out and back over the "
         "links it measured, less the compute each way can hide behind (out: the first micro-batch's forward; "
         "back: the last backward for the default, nothing for step, which brings the state back in the step); "
-        f"its threshold: the floor times {1 + report['thresholds']['max_time_over_floor']:g}.",
+        f"its threshold: the floor times {1 + report['thresholds']['max_time_over_floor']:g}. Host pace: a fixed "
+        "Python loop timed once a second beside the runs, its median over a row's steady iterations and the "
+        "share of them slower than 1.3x the night's fast level; rows at different paces do not compare.",
         "",
         "## Checks",
         "",

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks.host_pace import PaceLog
 from benchmarks.memory_checks import CAP_FLAG
 from benchmarks.memory_report import expected_state_bytes, parse_log
 from benchmarks.memory_summary import summarize
@@ -83,7 +84,7 @@ def run_rows(args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
     for name in TIMELINES:  # none left from an earlier night in the same folder
         (args.out / f"{name}.snapshot.pickle").unlink(missing_ok=True)
         (args.out / f"{name}.timeline.log").unlink(missing_ok=True)
-    with RunProgress(names) as progress:
+    with RunProgress(names) as progress, PaceLog(args.out / "host-pace.txt"):  # the host's pace beside the rows
         for name in names:
             if name in CAPPED and args.cap_gib is None:
                 args.cap_gib, why = cap_from(args.out / "baseline.log", extra)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.host_pace import counted_span, iteration_times, pace_over, read_samples
 from benchmarks.memory_report import GIB, MIB, RunLog, last_error_line, parse_log
 
 WARMUP_ITERATIONS = 2  # start-up allocations and kernel autotuning land in the first iterations
@@ -49,6 +50,8 @@ class RunSummary:
     copy_in_ms: float | None = None
     final_loss: float | None = None
     memory_rank: int | None = None
+    host_pace_ms: float | None = None  # the host's pace over the steady iterations (host_pace.py), where sampled
+    host_slow_share: float | None = None
 
 
 def _steady(iterations: list[int]) -> list[int]:
@@ -89,13 +92,15 @@ def read_runs(
 ) -> tuple[dict[str, RunLog], dict[str, RunSummary]]:
     """Parse and summarize ``source/<name>.log`` of each run.
 
-    ``runs_info`` holds each run's recorded ``returncode`` (run_info.json). A run in ``must_not_fit`` is
-    expected to stop: "out of memory" when its log says so, "failed" for any other stop, "ok" if it ran
-    through. Another run that is not ``required`` and did not finish is "not available"; one with neither a
-    log nor a record was skipped and is left out.
+    ``runs_info`` holds each run's recorded ``returncode`` (run_info.json). A run that ran through gets the
+    host's pace over its steady iterations where ``source/host-pace.txt`` holds samples of them. A run in
+    ``must_not_fit`` is expected to stop: "out of memory" when its log says so, "failed" for any other stop,
+    "ok" if it ran through. Another run that is not ``required`` and did not finish is "not available"; one
+    with neither a log nor a record was skipped and is left out.
     """
     logs: dict[str, RunLog] = {}
     summaries: dict[str, RunSummary] = {}
+    samples = read_samples(source / "host-pace.txt")  # sampled beside the runs (memory_runs.run_rows)
     for name in names:
         path = source / f"{name}.log"
         if not path.is_file() and name not in required + must_not_fit and name not in runs_info:
@@ -108,6 +113,10 @@ def read_runs(
             logs[name].error = f"exit {runs_info[name]['returncode']}: {last_error_line(text)}"
         summaries[name] = summary = summarize(logs[name])
         if summary.status == "ok":
+            stamps = iteration_times(text)
+            span = counted_span(stamps, _steady(list(stamps)))
+            if pace := span and pace_over(samples, *span):
+                summary.host_pace_ms, summary.host_slow_share = pace["median_ms"], pace["slow_share"]
             continue
         if name in must_not_fit:
             summary.status = "out of memory" if _OUT_OF_MEMORY.search(text) else "failed"

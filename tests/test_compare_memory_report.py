@@ -77,3 +77,25 @@ def test_without_matplotlib_the_report_says_why_there_is_no_plot(
     assert code == 0, out
     assert "no plots: matplotlib is not installed (pip install matplotlib)" in report["notes"]
     assert not (folder / "peak_memory.png").exists()
+
+
+def test_each_row_says_the_hosts_pace_over_its_steady_iterations(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Samples of the host's pace beside the runs (host-pace.txt): the baseline's steady iterations (00:38:36-38 by
+    Megatron's stamps) fell in fast seconds, step's (00:38:37-40) half in a slow one."""
+    from datetime import datetime
+
+    folder = logs_dir(tmp_path)
+    at = datetime(2026, 11, 22, 0, 38, 0).timestamp()
+    samples = [(at - 60 + s, 1.0) for s in range(60)] + [(at + 36.5, 1.0), (at + 37.5, 1.0), (at + 39.5, 2.0)]
+    (folder / "host-pace.txt").write_text("".join(f"{t:.3f} {ms:.4f}\n" for t, ms in samples))
+    code, out, report = verdict(folder, capsys)
+    assert code == 0, out
+    runs = report["runs"]
+    assert runs["baseline"]["summary"]["host_pace_ms"] == 1.0 and runs["baseline"]["summary"]["host_slow_share"] == 0
+    assert runs["step"]["summary"]["host_pace_ms"] == 1.5 and runs["step"]["summary"]["host_slow_share"] == 0.5
+    assert runs["capped-no-offload"]["summary"]["host_pace_ms"] is None  # it never reached a steady iteration
+    markdown = (folder / "report.md").read_text()
+    step_row = next(line for line in markdown.splitlines() if line.startswith("| step |"))
+    assert "| 1.50 (50%) |" in step_row

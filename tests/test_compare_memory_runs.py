@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import compare_memory, memory_runs, nightly_runs
+from benchmarks import compare_memory, host_pace, memory_runs, nightly_runs
 from tests.compare_memory_helpers import DATA
 
 
@@ -24,6 +24,11 @@ def test_run_mode_streams_each_run_into_its_log(
         code = 1 if name in ("cpu-offload", "capped-no-offload") else 0
         commands[name] = memory_runs.flags_of(name, args.cap_gib)
         script = f"import sys; sys.stdout.write(open({str(DATA / f'{name}.log')!r}).read()); sys.exit({code})"
+        if name == "baseline":  # the first row waits for the night's sampler of the host's pace to write a line
+            pace = str(out_dir / "host-pace.txt")
+            script = (f"import os, time\nstart = time.time()\nwhile time.time() - start < 15 and not "
+                      f"(os.path.exists({pace!r}) and open({pace!r}).read().count(chr(10))): time.sleep(0.05)\n"
+                      + script)  # fmt: skip
         return [sys.executable, "-c", script]
 
     commands: dict[str, list[str]] = {}
@@ -46,6 +51,7 @@ def test_run_mode_streams_each_run_into_its_log(
     report = json.loads((out_dir / "report.json").read_text())
     assert report["runs"]["cpu-offload"]["summary"]["detail"].startswith("exit 1: ModuleNotFoundError")
     assert report["verdict"] == "PASS"
+    assert host_pace.read_samples(out_dir / "host-pace.txt")  # sampled beside the rows
 
 
 def test_a_night_cut_short_in_the_timeline_reruns_keeps_its_verdict_and_record(
