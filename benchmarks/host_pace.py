@@ -105,8 +105,12 @@ class PaceLog:
 
     def __exit__(self, *exc: object) -> None:
         if self.process is not None:
-            self.process.terminate()
-            self.process.wait(timeout=10)  # a sampler between two sleeps stops at once
+            self.process.terminate()  # a sampler between two samples stops at once
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # never leave it running past the benchmark
+                self.process.kill()
+                self.process.wait()
             self.process = None
 
     def timed(self, run: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
