@@ -133,11 +133,9 @@ def pooled_pace(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def pace_text(row: dict[str, Any]) -> str:
-    """``  host 0.95 ms, 12% slow`` (each run's, where several): the row's pace beside its ms/iter. ``row`` is
-    pooled (``pooled_pace``) or one run's figures."""
+    """``  host 0.95 ms, 12% slow`` (each run's, where several): the row's pace (``pooled_pace``) beside its
+    ms/iter."""
     if not row.get("host_pace_ms"):
-        row = pooled_pace([row])
-    if not row:
         return ""
     runs = zip(row["host_pace_ms"], row["host_slow_share"], strict=True)
     return "  host " + " / ".join(f"{ms:.2f} ms, {share:.0%} slow" for ms, share in runs)

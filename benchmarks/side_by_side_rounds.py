@@ -39,12 +39,11 @@ def counted(figures: dict[str, Any]) -> list[float]:
 def pool(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One row from its runs, one per round, in order: the first round's figures, with ``step_ms`` the median
     of every round's counted iterations and ``step_ms_per_round`` each round's own, the highest peaks, each
-    round's host pace (``host_pace_ms``), and
-    losses only where every round logged the same ones (None otherwise: the row then differs from its base,
-    as a row whose losses change between two runs of the same flags must). A round that failed is the row's
-    outcome."""
+    round's host pace (``host_pace_ms``, a single run's too), and losses only where every round logged the
+    same ones (None otherwise: the row then differs from its base, as a row whose losses change between two
+    runs of the same flags must). A round that failed is the row's outcome."""
     if len(runs) == 1:
-        return runs[0]
+        return runs[0] | pooled_pace(runs)
     failed = next((figures for figures in runs if "error" in figures), None)
     if failed is not None:
         return failed | {"rounds": len(runs)}
