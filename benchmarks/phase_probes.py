@@ -191,7 +191,7 @@ def note_bring_back(say: Callable[[str], None]) -> None:
     @functools.wraps(fresh)
     def new_iteration(pacer: Any) -> None:
         if pacer.moving:
-            bound = pacer._step_bound()
+            bound = pacer.step_bound()
             room = "unknown" if bound is None else f"{(bound + pacer.brought) // MIB}"
             say(
                 f"{BRING_BACK_PREFIX} hooks {pacer.brought // MIB}, as it ended {at_end[0] // MIB}, of "

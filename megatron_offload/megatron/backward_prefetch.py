@@ -103,7 +103,7 @@ class PrefetchDuringBackward:
             if self.ahead is None:  # learning: nothing comes back in this backward, every hook reads
                 self.readings.append(self._natural())
                 return
-        bound = self._step_bound()
+        bound = self.step_bound()
         if self.stopped or self.brought >= self.moving or (bound is not None and bound < self.smallest):
             # Nothing can come back before the step: no reading (each costs tens of microseconds of the
             # backward's host time, which the GPU waits for where the loop is host-bound).
@@ -129,7 +129,7 @@ class PrefetchDuringBackward:
         if room >= self.smallest:
             self.brought += handle.prefetch(max_bytes=room, landed_only=True)
 
-    def _step_bound(self) -> int | None:
+    def step_bound(self) -> int | None:
         """Most bytes that may still come back before the step (None until the step was learned): at its start
         the step holds what it holds without state, its own buffers, all kept state (back already, or newly
         kept and coming back then) and what came back early; limited, at most what it leaves to the forward."""

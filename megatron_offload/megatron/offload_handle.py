@@ -65,8 +65,8 @@ class OffloadHandle:
                 offloader.copies.pump()
 
     @property
-    def idle(self) -> bool:  # no copy queued or in flight in any offloader: a hook has nothing to pump
-        return all(offloader.copies.idle for offloader in self.offloaders)
+    def idle(self) -> bool:  # no copy queued or in flight anywhere: nothing to pump (hot: no generator)
+        return not [offloader for offloader in self.offloaders if not offloader.copies.idle]
 
     def prefetch(self, max_bytes: int | None = None, landed_only: bool = False, now: bool = False) -> int:
         """Start bringing state back, up to ``max_bytes`` (default: all; ``now``: Offloader.prefetch's); the bytes."""
