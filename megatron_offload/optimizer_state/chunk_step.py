@@ -101,12 +101,13 @@ class ChunkStepper:
         self._group_of = {id(p): i for i, group in enumerate(self.optimizer.param_groups) for p in group["params"]}
 
     @torch.no_grad()
-    def __call__(self, params: Sequence[torch.Tensor], key: Hashable | None = None) -> None:
-        """Update ``params`` (``key`` names the set, so its lists are made once)."""
+    def __call__(self, params: Sequence[torch.Tensor], key: Hashable | None = None) -> bool:
+        """Update ``params`` (``key`` names the set, so its lists are made once). True where the optimizer's own
+        ``step()`` ran, which may have made new state; the functional only updates the state each param has."""
         state = self.optimizer.state
         if self.functional is None or not all(state.get(p) for p in params):
             self.restricted(params)
-            return
+            return True
         by_group = self._lists.get(key) if key is not None else None
         if by_group is None:
             grouped: dict[int, list[torch.Tensor]] = {}
@@ -117,6 +118,7 @@ class ChunkStepper:
                 self._lists[key] = by_group
         for index, group_params in by_group:
             self._adam(self.optimizer.param_groups[index], [p for p in group_params if p.grad is not None])
+        return False
 
     def _adam(self, group: dict, params: list[torch.Tensor]) -> None:
         """The functional with the arguments the optimizer's ``step()`` passes for this group."""

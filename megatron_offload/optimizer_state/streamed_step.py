@@ -182,12 +182,14 @@ def run(
         if stage is not None:
             stage.lend(params)
         try:
-            stepper(params, key=tuple(chunk.index for chunk in group))
+            made = stepper(params, key=tuple(chunk.index for chunk in group))
             if after_chunk is not None:
                 after_chunk(params)
         finally:
             if stage is not None:
                 stage.give_back()
+        if not made:  # only the optimizer's own step makes state, not torch's functional Adam: no walk per chunk
+            return False
         added = [planning.adopt_new_state(off.plan, c, off.optimizer, off.keep_state_keys, off.slab) for c in group]
         if any(added):
             off.count_plan()
@@ -235,16 +237,14 @@ def run(
         off.copies.pump()
 
 
-def _whole_step(
-    stepper: ChunkStepper, params: list[torch.Tensor], after_chunk: AfterChunk | None, stage: Stage | None
-) -> None:
+def _whole_step(step: ChunkStepper, params: list[torch.Tensor], after: AfterChunk | None, stage: Stage | None) -> None:
     """One update of every param where it is (a stage only applies what it defers, e.g. clipping)."""
     if stage is not None:
         stage.lend(params, copy=False)
     try:
-        stepper.restricted(params)
-        if after_chunk is not None:
-            after_chunk(params)
+        step.restricted(params)
+        if after is not None:
+            after(params)
     finally:
         if stage is not None:
             stage.give_back()

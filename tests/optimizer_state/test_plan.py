@@ -1,7 +1,8 @@
 """The plan as the state grows, on CPU tensors: moments that the first step creates join the plan (and,
 chunked, their chunks) without a new plan or a new slab, params whose own tensor stays get their moments
 planned, the state is walked again only when a tensor the plan rests on is new (or after a load), and state
-that a later step makes for a param without any is planned and leaves.
+that a later step makes for a param without any is planned and leaves; once torch's functional Adam updates
+the state there is, no step looks for new state.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from megatron_offload.optimizer_state.chunk_step import ChunkStepper
 from tests.optimizer_state.cpu_engine import (
     adam_with_masters,
     aligned,
+    assert_same_training_state,
     in_host_slab,
     many_masters,
     offloader_for,
@@ -52,6 +54,31 @@ def test_adam_first_moments_join_their_chunks_without_a_new_plan() -> None:
     assert all(in_host_slab(offloader, optimizer.state[p][key]) for p in masters for key in ("exp_avg", "exp_avg_sq"))
     assert offloader.stats.host_bytes == sum(3 * aligned(m.numel() * 4) for m in masters)
     assert all(len(chunk.entries) == 3 * len(chunk.params) for chunk in chunks)
+
+
+def test_only_the_step_that_made_state_looks_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Adam's first step runs the optimizer's own step (no state yet) and makes the moments, which the plan takes
+    # in; later steps run torch's functional Adam over the state there is, and never walk the chunks for new state.
+    reference, _ = many_masters()
+    optimizer, masters = many_masters()
+    for master in masters:
+        master.requires_grad_(False)
+    offloader = offloader_for(optimizer, masters, chunk_bytes=6000)
+    offloader.offload()
+    looked = []
+    adopt = plan.adopt_new_state
+    monkeypatch.setattr(
+        plan, "adopt_new_state", lambda _plan, chunk, *rest: looked.append(chunk) or adopt(_plan, chunk, *rest)
+    )
+    for step in range(3):
+        set_grads(optimizer, step)
+        set_grads(reference, step)
+        reference.step()
+        looked.clear()
+        run_step(offloader)
+        assert len(looked) == (len(offloader.chunks) if step == 0 else 0)
+    offloader.wait()
+    assert_same_training_state(reference, optimizer)
 
 
 @pytest.mark.parametrize("offloaded_masters", [slice(0, 3), slice(0, 0)])
