@@ -24,7 +24,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PaceLog", "iteration_times", "pace_over", "pace_text", "pooled_pace", "spin_ms"]
+__all__ = ["PaceLog", "iteration_times", "logged_span", "pace_over", "pace_text", "pooled_pace", "spin_ms"]
 
 SPIN_ITERATIONS = 20_000  # about 1 ms of pure Python on the lent hosts' fast level
 SLOW = 1.3  # a sample this many times the fast level counts as slow (the levels lie about 1.8x apart)
@@ -88,6 +88,12 @@ def counted_span(stamps: dict[int, float], counted: list[int]) -> tuple[float, f
         return None
     earlier = [i for i in stamps if i < counted[0]]
     return stamps[max(earlier)] if earlier else stamps[counted[0]], stamps[counted[-1]]
+
+
+def logged_span(text: str, counted: Callable[[list[int]], list[int]]) -> tuple[float, float] | None:
+    """``counted_span`` of a Megatron log: ``counted`` picks, from its logged iterations, those a figure counts."""
+    stamps = iteration_times(text)
+    return counted_span(stamps, counted(sorted(stamps)))
 
 
 class PaceLog:

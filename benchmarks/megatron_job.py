@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import phase_lines
-from benchmarks.host_pace import counted_span, iteration_times
+from benchmarks.host_pace import logged_span
 from benchmarks.memory_report import GIB, MIB, parse_log
 from benchmarks.memory_speed_curve import MEDIAN_FROM
 from benchmarks.run_logs import did_not_fit, failure_reason, logged_link_gbps
@@ -72,7 +72,7 @@ def run(name: str, argv: list[str], gpus: int, out: Path, env_extra: dict[str, s
         "allocator_retries_by_iteration": {i: log.steps[i].allocator_retries for i in iterations},
         "streamed_GiB_by_iteration": {i: log.steps[i].streamed_gib for i in iterations},
     }
-    if span := counted_span(iteration_times(text), steady(iterations)):  # the host's pace then (host_pace.py)
+    if span := logged_span(text, steady):  # the host's pace then (host_pace.py)
         figures["counted_span"] = span
     if marked := phase_lines.summary(text):  # run through benchmarks.phases (--phases): GPU and host ms per phase
         figures["phases_ms"] = marked

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.host_pace import counted_span, iteration_times, pace_over, read_samples
+from benchmarks.host_pace import logged_span, pace_over, read_samples
 from benchmarks.memory_report import GIB, MIB, RunLog, last_error_line, parse_log
 
 WARMUP_ITERATIONS = 2  # start-up allocations and kernel autotuning land in the first iterations
@@ -113,8 +113,7 @@ def read_runs(
             logs[name].error = f"exit {runs_info[name]['returncode']}: {last_error_line(text)}"
         summaries[name] = summary = summarize(logs[name])
         if summary.status == "ok":
-            stamps = iteration_times(text)
-            span = counted_span(stamps, _steady(list(stamps)))
+            span = logged_span(text, _steady)
             if pace := span and pace_over(samples, *span):
                 summary.host_pace_ms, summary.host_slow_share = pace["median_ms"], pace["slow_share"]
             continue

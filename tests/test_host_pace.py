@@ -53,6 +53,8 @@ def test_megatrons_stamps_give_the_counted_iterations_span() -> None:
     start, end = host_pace.counted_span(stamps, [3, 4, 5])
     assert (start, end) == (stamps[2], stamps[5])  # iteration 3 ran after line 2 was written
     assert host_pace.counted_span(stamps, [3, 9]) is None and host_pace.counted_span({}, []) is None
+    assert host_pace.logged_span(text, lambda logged: [i for i in logged if i > 2]) == (stamps[2], stamps[5])
+    assert host_pace.logged_span("no iteration lines", lambda logged: logged) is None
 
 
 def test_the_sampler_runs_beside_a_run_and_stops_with_the_block(tmp_path: Path) -> None:
