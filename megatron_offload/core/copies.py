@@ -157,7 +157,7 @@ class CopyQueue:
                 self.start(copy)
             # On the device: the compute stream's later work, which may be handed this memory by the
             # allocator, runs only once the copy has read it. The host goes on queueing.
-            self.streams.compute_waits(copy.done)
+            self.streams.wait(copy.done)
             freed += copy.frees
             copy.released, copy.frees = True, 0
             if copy.on_released is not None:

@@ -113,7 +113,7 @@ class StagedParams:
         if copy:
             buffer = self._filled(params)
             if buffer.ready is not None and not buffer.ready.query():
-                self.streams.compute_waits(buffer.ready)  # on the device: the copy in lands before the update reads it
+                self.streams.wait(buffer.ready)  # on the device: the copy in lands before the update reads it
             buffer.ready = None
             for param, _, host_grad, data, grad in buffer.homes:
                 param.data = data
@@ -148,7 +148,7 @@ class StagedParams:
         if self._lent is not None:
             self.give_back()  # a step cut short: the params point at their host copies again
         if self._last_out is not None and not self._last_out.query():
-            self.streams.compute_waits(self._last_out)  # on the device: later readers of the host masters see them
+            self.streams.wait(self._last_out)  # on the device: later readers of the host masters see them
         self._last_out = None
         self._release()
 
@@ -172,7 +172,7 @@ class StagedParams:
         # Not the group expected (or no ``begin``): the order is dropped, this group is staged on its own.
         self._release()
         if self._last_out is not None and not self._last_out.query():
-            self.streams.compute_waits(self._last_out)  # on the device: a host copy it reads may still be written
+            self.streams.wait(self._last_out)  # on the device: a host copy it reads may still be written
         self._buffers = [_Buffer(self.streams.block(staged_bytes(params)))]
         self._fresh = self.streams.mark()  # as in ``begin``
         buffer = self._buffers[0]
