@@ -1,5 +1,5 @@
 """The streams' switch on a GPU: the stream it names is current inside, the one before it after, also nested, on
-another thread and where the stream is current already; copies queued inside run on it."""
+another thread and where the stream is current already; a copy queued through it lands."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def test_a_thread_switches_its_own_current_stream_only() -> None:
     assert seen == [True, True]
 
 
-def test_copies_queued_through_it_land_on_the_side_stream() -> None:
+def test_a_copy_queued_through_it_lands_and_the_compute_stream_is_current_after() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     streams = CudaStreams(device)
     source = torch.arange(1 << 20, dtype=torch.float32, device=device)
