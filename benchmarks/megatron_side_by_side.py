@@ -2,14 +2,14 @@
 by side on one machine: the speed and the memory users see.
 
 Clients: our ``scripts/pretrain_gpt.py``, and Megatron-LM's own ``pretrain_gpt.py`` (a checkout of
-NVIDIA/Megatron-LM at the branch matching megatron-core, not part of this repository) through our
-launcher. Time per iteration is the median of Megatron's own "elapsed time per iteration" from iteration 3
-on (at a log interval k > 1, the lines from 2k on: the first hold the slow first iterations; pass
-``--train-iters`` of 6k or more there for several lines); memory is Megatron's memory report and our log
-line; losses must be bitwise the same as without offloading. Then under a GPU memory cap of the no-offload
-peak less 90% of the state (``--offload-gpu-memory-cap-gib``): no offload must fail, every policy run;
-under a cap of the no-offload peak less 50% of the state, ``--offload-fraction auto``. Each at every
-``--log-intervals`` (Megatron synchronises the device at each logged iteration).
+NVIDIA/Megatron-LM at the branch matching megatron-core, not part of this repository) through our launcher. Time
+per iteration is the median of Megatron's own "elapsed time per iteration" from iteration 3 on (at a log interval
+k > 1, the lines from 2k on: the first hold the slow first iterations); a run has 15 iterations at interval 1 and
+8k at k > 1 unless ``--train-iters`` says (``matrix_iterations``); memory is Megatron's memory report and our log
+line; losses must be bitwise the same as without offloading. Then under a GPU memory cap of the no-offload peak
+less 90% of the state (``--offload-gpu-memory-cap-gib``): no offload must fail, every policy run; under a cap of
+the no-offload peak less 50% of the state, ``--offload-fraction auto``. Each at every ``--log-intervals``
+(Megatron synchronises the device at each logged iteration).
 
 ``--upstream-megatron-lm PATH`` (a copy of Megatron-LM's ``dev`` branch: its ``megatron`` package,
 ``pretrain_gpt.py``, ``gpt_builders.py``, ``model_provider.py``) adds upstream's own offloader beside
@@ -82,6 +82,8 @@ from benchmarks.side_by_side_upstream import prepare_upstream, upstream_env
 from megatron_offload.config.files import expand_config_argv, preflight
 from megatron_offload.core.units import cap_below_peak
 
+MATRIX_ITERS = 15  # iterations a run of the matrix at --log-interval 1 (matrix_iterations)
+
 
 def run_matrix(args: argparse.Namespace, results: dict[str, Any], clients: dict[str, list[str]], env: dict) -> None:
     """The matrix at every log interval, our rows then upstream's, each compared with its own base; with
@@ -105,7 +107,7 @@ def run_interval(
 ) -> dict[str, Any]:
     """The matrix at one log interval (``run_matrix``), through ``run`` (the job runner)."""
     upstream_rows = selected_upstream_rows(set(args.only or ()), "upstream" in clients)
-    tail = ["--train-iters", str(args.train_iters), *args.extra, "--log-interval", str(interval)]
+    tail = ["--train-iters", str(matrix_iterations(args, interval)), *args.extra, "--log-interval", str(interval)]
     argv = [*clients["ours"], *tail]
     runs: dict[str, Any] = {}
     ran: dict[str, tuple[list[str], dict | None, dict]] = {}  # row: (argv, env, figures added to its runs)
@@ -143,6 +145,16 @@ def run_interval(
     if UPSTREAM_BASE in runs:
         compare(runs, UPSTREAM_BASE, [name for name, _ in UPSTREAM])
     return runs
+
+
+def matrix_iterations(args: argparse.Namespace, interval: int) -> int:
+    """Iterations per run of the matrix: ``--train-iters``, else 15 at interval 1 (13 counted) and the sweep's 8k
+    at k > 1. Each line at k averages k iterations and Python's full garbage collection (about half a second,
+    once in a few dozen iterations, with or without offloading) lands in one of them: counting two lines, one
+    such pause moves a row by a tenth; the median of seven sets it aside."""
+    if args.train_iters:
+        return args.train_iters
+    return MATRIX_ITERS if interval <= 1 else curve.iterations_for(interval)[0]
 
 
 def failures(results: dict[str, Any]) -> list[str]:

@@ -31,7 +31,12 @@ def parse_args(description: str) -> argparse.Namespace:
         help="names from the matrix or upstream's rows (default: all; 'no offload' always runs, and "
         "'upstream no offload' with any upstream row)",
     )
-    parser.add_argument("--train-iters", type=int, default=15)
+    parser.add_argument(
+        "--train-iters",
+        type=int,
+        help="iterations per run (default: 15 at --log-interval 1, 8k at k > 1, whose lines from 2k on count: "
+        "seven lines, so that one holding a garbage-collection pause of about half a second does not decide the row)",
+    )
     parser.add_argument(
         "--rounds",
         type=int,

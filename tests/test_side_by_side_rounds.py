@@ -115,3 +115,26 @@ def test_every_documented_command_line_parses(monkeypatch: pytest.MonkeyPatch) -
             parse_args("side by side")
         except SystemExit as stop:
             pytest.fail(f"{where}: {' '.join(argv)} does not parse (exit {stop.code})")
+
+
+def test_a_run_counts_seven_lines_at_interval_5_unless_told_how_many_iterations(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, upstream: Path
+) -> None:
+    """At --log-interval 5 every run of the matrix, ours and upstream's, has 40 iterations: its lines from
+    iteration 10 on are seven, so one line holding a garbage-collection pause does not decide the row; at 1,
+    15. --train-iters sets every run's count."""
+
+    def iterations(argv: list[str]) -> int:
+        return int(argv[argv.index("--train-iters") + 1])
+
+    def interval(argv: list[str]) -> int:
+        return int(argv[argv.index("--log-interval") + 1])
+
+    fails = {"log1-cap-90-no-offload", "log1-cap-50-no-offload", "log5-cap-90-no-offload", "log5-cap-50-no-offload"}
+    args = ["--upstream-megatron-lm", str(upstream), "--log-intervals", "5", "1"]
+    code, calls = run_main(monkeypatch, [*args, "--out", str(tmp_path / "a")], fake_run(fails))
+    assert code == 0 and {interval(a) for _, a, _ in calls} == {1, 5}
+    assert all(iterations(a) == {5: 40, 1: 15}[interval(a)] for _, a, _ in calls)
+    assert any(env is not None and interval(a) == 5 for _, a, env in calls)  # upstream's rows count alike
+    code, calls = run_main(monkeypatch, [*args, "--train-iters", "9", "--out", str(tmp_path / "b")], fake_run(fails))
+    assert code == 0 and calls and all(iterations(a) == 9 for _, a, _ in calls)
