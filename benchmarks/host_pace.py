@@ -3,11 +3,13 @@
 A process of its own beside the runs (``PaceLog``) times a fixed pure-Python loop once a second (the best of
 three: ``spin_ms``) and writes the wall-clock time and the loop's milliseconds, a line each. On the lent H200s
 the loop's time flips between two levels about 1.8x apart every few seconds, with the GPU idle as much as
-under training; Megatron-LM's forwards are bound by the host there, so a row's ms/iter moves with the flips
-as much as with what it offloads. Each run gets ``host_pace``: over the iterations its ms/iter counts (the
+under training; Megatron-LM's forwards are bound by the host there, so a row's ms/iter moves with the host's
+pace as much as with what it offloads. Each run gets ``host_pace``: over the iterations its ms/iter counts (the
 times Megatron stamps on their log lines), the median of the loop's samples and the share of them slower than
-``SLOW`` times the call's fast level (the 10th percentile of all samples so far). Rows whose slow shares differ
-ran on different hosts, whatever their ratio says.
+``SLOW`` times the call's fast level (the 10th percentile of all samples so far). The share says how the machine
+ran beside a row, not how fast its training thread ran: within a run, the iterations the sampler labels fast
+ran no faster than those it labels slow, while the same forward's CPU time in the training thread moves by
+about a third from one run to the next.
 
     python -m benchmarks.host_pace FILE   # the sampler alone, until stopped
 """
