@@ -82,7 +82,7 @@ class CudaStreams:
         """Order the compute stream after ``event`` (a copy already queued), timing the wait."""
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(self.compute)
-        self.compute.wait_event(event)  # on the device: the host goes on queueing the step
+        self.wait(event)
         end.record(self.compute)
         return start, end
 

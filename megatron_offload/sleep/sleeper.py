@@ -155,7 +155,7 @@ class Sleeper:
             # The engine orders its copies after the compute stream's queued work: this puts them behind
             # the buffers' on the link (one part at a time, each timed on its own), and keeps compute work
             # from writing a buffer before its copy has read it.
-            streams.compute_waits(link)
+            streams.wait(link)
         if OPTIMIZER in names:
             began = link or streams.mark(timed=True)
             moved = self._offload_state()  # returns once the state's copies have landed
@@ -219,7 +219,7 @@ class Sleeper:
         if link is not None:
             # Compute work must not read a buffer before its copy has landed; and the engine's copies,
             # which it orders after the compute stream's queued work, go behind the buffers' on the link.
-            streams.compute_waits(link)
+            streams.wait(link)
         if OPTIMIZER in self.asleep and not self.held.state_lives_on_host:
             began = link or streams.mark(timed=True)
             moved = sum(o.offloaded_bytes for o in self.offloaders)
