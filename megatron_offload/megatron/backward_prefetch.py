@@ -72,7 +72,7 @@ class PrefetchDuringBackward:
         self.worth = 0  # bytes coming back early is worth: what the step leaves to the forward (new_iteration)
         self.retries_before: int | None = None  # the allocator's retries as this last backward was first read
         self.retrying = 0  # last backwards in a row that brought state back and made the allocator retry
-        self.stopped = False  # the allocator retried in this last backward: nothing more comes back in it
+        self.stopped = False  # nothing more comes back in this last backward: a retry, or no room the allocator can map
         self.first_param: int | None = None  # id of the param whose gradient is ready first in a backward
         self.backwards = 0  # backwards begun in this iteration
         self.backwards_per_iteration: int | None = None
@@ -120,9 +120,13 @@ class PrefetchDuringBackward:
             ahead = self.ahead[min(self.hook, len(self.ahead)) - 1]  # learned with at least one hook
             room = max(room, scheduler.backward_room(reading.allocated + ahead))
             # Beyond what coming back early is worth, only what the allocator can map without a retry.
-            room = min(
-                room, max(self.worth - self.brought, scheduler.spare(reading.reserved) - PACING_MIN_MARGIN_BYTES)
-            )
+            mappable = max(self.worth - self.brought, scheduler.spare(reading.reserved) - PACING_MIN_MARGIN_BYTES)
+            if mappable < self.smallest:
+                # Neither grows again in this backward (what came back only grows; the allocator unmaps only
+                # in a retry, which stops it too): the later hooks need not read memory.
+                self.stopped = True
+                return
+            room = min(room, mappable)
         room = min(room, bound)
         # A call that could bring nothing back (room for no chunk) walks every chunk for naught, in the
         # backward's thread, at every hook.

@@ -97,3 +97,46 @@ def test_beyond_what_the_step_leaves_the_forward_only_memory_the_allocator_can_s
     assert second_ask == max(spare, left - brought)
     _, unmapped_ask = last_backward(6 * GIB)
     assert unmapped_ask > 4 * GIB > second_ask
+
+
+@pytest.mark.parametrize("left", [0, 4 * GIB], ids=["step-leaves-nothing", "step-leaves-4-GiB"])
+def test_with_no_room_the_allocator_can_map_the_later_hooks_of_that_backward_read_no_memory(
+    monkeypatch: pytest.MonkeyPatch, left: int
+) -> None:
+    """The allocator holds its whole limit mapped through the last backward, as under a cap that forces most of the
+    state off: where the step leaves the forward nothing, the first hook finds no room it may fill and the other
+    two neither read memory nor ask (each reading is host time the GPU waits for); where it leaves 4 GiB, every
+    hook reads and asks."""
+    memory = Memory(17 * GIB).install(monkeypatch)
+    reads = {"count": 0}
+
+    def reading() -> Reading:
+        reads["count"] += 1
+        return Reading(memory.now, 20 * GIB, 0)
+
+    monkeypatch.setattr(backward_prefetch, "read_memory", reading)
+    ledger = Retrying()
+    ledger.left = left
+    ledger.prefetch = lambda max_bytes=None, landed_only=False: ledger.asked.append(max_bytes) or 0  # nothing lands
+    ledger.scheduler.start_step()
+    ledger.scheduler.observe_step_end(Peaks(18 * GIB, 18 * GIB), resident=0)
+    params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    hooks = backward_prefetch.PrefetchDuringBackward(ledger, [torch.nn.Linear(2, 2)], lambda: True)
+    hooks.on_gpu = True
+
+    def last_backward() -> tuple[int, int]:
+        """One backward of three sampled gradients; the memory readings in it and the hooks that asked."""
+        read, asked = reads["count"], len(ledger.asked)
+        for now, param in zip([17 * GIB, 12 * GIB, 6 * GIB], params, strict=True):
+            memory.set(now)
+            hooks.on_grad_ready(param)
+        in_backward = reads["count"] - read
+        memory.set(2 * GIB)
+        hooks.on_backward_done()
+        hooks.on_step_start()
+        hooks.new_iteration()
+        return in_backward, len(ledger.asked) - asked
+
+    last_backward()
+    last_backward()  # learning: nothing comes back
+    assert last_backward() == ((1, 0) if left == 0 else (3, 3))
