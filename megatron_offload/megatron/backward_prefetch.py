@@ -122,8 +122,10 @@ class PrefetchDuringBackward:
             # Beyond what coming back early is worth, only what the allocator can map without a retry.
             mappable = max(self.worth - self.brought, scheduler.spare(reading.reserved) - PACING_MIN_MARGIN_BYTES)
             if mappable < self.smallest:
-                # Neither grows again in this backward (what came back only grows; the allocator unmaps only
-                # in a retry, which stops it too): the later hooks need not read memory.
+                # Neither grows again in this backward: what came back only grows, and with the allocator's
+                # default max_split_size_mb and garbage_collection_threshold it unmaps only in a retry, which
+                # stops it too (set, it may unmap sooner: what it frees then is left to the step, never lost).
+                # The later hooks need not read memory.
                 self.stopped = True
                 return
             room = min(room, mappable)
