@@ -10,7 +10,8 @@ compute stream stood waiting; a second line lists, from the last backward to the
 each direction stood still for more than ``GAP_MS`` between two of its copies. After each step a third line
 (``note_bring_back``) gives the bytes the last backward's hooks brought back and those started back as it ended,
 of the bytes that move, and what bounded the hooks: the room the step leaves, what coming back early is worth,
-whether the allocator's retries limited or stopped them, whether the backward's growth was learned yet.
+whether the allocator's retries limited them, whether they stopped (a retry, or no room left that they may
+fill), whether the backward's growth was learned yet.
 """
 
 from __future__ import annotations
