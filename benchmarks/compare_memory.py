@@ -4,7 +4,8 @@ The runs (memory_runs.RUN_FLAGS): ``baseline`` (no offload); ``step`` (the small
 off the GPU at the activation peak), whose peak allocated memory must be lower by at least
 min_step_peak_saving_of_state of the state; ``capped-no-offload`` and ``capped-default`` under a cap of the
 baseline's peak reserved less CAP_STATE_SHARE of the state: no offload must run out of memory there, the
-default (``--offload-optimizer-states`` alone) must fit with its peak reserved under the cap; ``cpu-offload``
+default (``--offload-optimizer-states`` alone) must fit with its peak reserved under the cap; ``baseline-again``
+(no offload after them: the floors' no-offload time brackets the offload rows, its losses bitwise too); ``cpu-offload``
 (megatron-core's HybridDeviceOptimizer, a reference, often unavailable without TransformerEngine). Each
 offload row's step time is held to its floor (benchmarks/memory_checks.py) and its losses to the
 baseline's, bitwise. The limits are configs/nightly_thresholds.yaml. The judged runs record no allocator

@@ -14,7 +14,7 @@ def _cell(value: float | None, spec: str, suffix: str = "") -> str:
 def _run_rows(report: dict[str, Any]) -> list[str]:
     """One table row per run: status, time against no offload and the floor, memory, the offload fields."""
     runs, floors = report["runs"], report["measured"].get("floors", {})
-    base_ms = runs["baseline"]["summary"]["median_step_ms"]
+    base_ms = report["measured"].get("no_offload_ms") or runs["baseline"]["summary"]["median_step_ms"]
     lines = [
         "| run | flags | status | median step ms (quartiles) | x no offload | floor ms | threshold ms "
         "| peak allocated GiB | peak reserved GiB | offloaded GiB/rank | link out/back GB/s | host pace ms (slow) "
@@ -59,7 +59,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         *_run_rows(report),
         "",
-        "A row's floor: no offload's step time plus the time its offloaded bytes take out and back over the "
+        "A row's floor: no offload's step time (x no offload's too: over both no-offload runs, before and after "
+        "the offload rows, where the second ran through) plus the time its offloaded bytes take out and back over the "
         "links it measured, less the compute each way can hide behind (out: the first micro-batch's forward; "
         "back: the last backward for the default, nothing for step, which brings the state back in the step); "
         f"its threshold: the floor times {1 + report['thresholds']['max_time_over_floor']:g}. Host pace: a fixed "

@@ -11,7 +11,13 @@ from pathlib import Path
 from typing import Any
 
 GIB = 1024**3
-COLORS = {"baseline": "tab:gray", "step": "tab:blue", "capped-default": "tab:green", "cpu-offload": "tab:orange"}
+COLORS = {
+    "baseline": "tab:gray",
+    "step": "tab:blue",
+    "capped-default": "tab:green",
+    "baseline-again": "silver",
+    "cpu-offload": "tab:orange",
+}
 
 
 def load_snapshot(path: Path) -> dict[str, Any]:

@@ -25,6 +25,7 @@ RUN_FLAGS = {
     "step": [FLAG, "--offload-prefetch", "step"],
     "capped-no-offload": [],
     "capped-default": [FLAG],
+    "baseline-again": [],  # no offload once more: with the first, it brackets the offload rows (memory_checks)
     "cpu-offload": ["--optimizer-cpu-offload", "--use-precision-aware-optimizer"],
 }
 CAPPED = ("capped-no-offload", "capped-default")  # run under the cap, after the baseline measured it

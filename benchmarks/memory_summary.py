@@ -59,6 +59,12 @@ def _steady(iterations: list[int]) -> list[int]:
     return later or sorted(iterations)
 
 
+def pooled_step_ms(logs: list[RunLog]) -> tuple[float | None, tuple[float, float] | None]:
+    """The median and quartiles of the step times over the steady iterations of several runs together."""
+    times: list[float | None] = [log.steps[i].step_ms for log in logs for i in _steady(list(log.steps))]
+    return _median(times), _quartiles(times)
+
+
 def summarize(log: RunLog) -> RunSummary:
     """Medians after the warm-up, peaks at the last iteration; "failed" when the run did not finish."""
     if not log.steps:

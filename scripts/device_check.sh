@@ -133,7 +133,7 @@ if wants long && [ "${LONG_PART:-fit}" = step ]; then  # the same rows with mega
     | grep -vE "Warning|warn" | tail -n 4
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
-if wants nightly; then  # not in the default PARTS: five runs of configs/nightly_memory.yaml and the report
+if wants nightly; then  # not in the default PARTS: five judged runs of configs/nightly_memory.yaml, the report
   echo "=== nightly memory comparison"
   SKIP_CPU_OFFLOAD=1 OUT="$results/nightly" bash scripts/nightly_memory.sh 2>&1 | tee "$results/nightly.log" \
     | grep -vE "Warning|warn" | tail -n 16

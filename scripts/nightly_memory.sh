@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The nightly CI job: the nightly config run without offload, with the smallest footprint
 # (--offload-prefetch step), and under a cap (no offload's peak reserved less half the optimizer state)
-# without offload and with --offload-optimizer-states alone, plus megatron-core's --optimizer-cpu-offload
-# as a reference; then a report (report.md/json, plots where matplotlib is installed) and its verdict; then,
+# without offload and with --offload-optimizer-states alone, no offload again (the floors' no-offload time
+# brackets the offload rows), plus megatron-core's --optimizer-cpu-offload as a reference; then a report
+# (report.md/json, plots where matplotlib is installed) and its verdict; then,
 # for the memory timeline plot, 4-iteration reruns of no offload, step and the capped default (those that ran
 # through) with --record-memory-history, which the judged runs leave off (it slows their steps), and the
 # report again with that plot. A job cut short in those reruns keeps its report and verdict. Exits

@@ -111,3 +111,52 @@ def test_shipped_thresholds_load() -> None:
     limits = load_thresholds(ROOT / "configs" / "nightly_thresholds.yaml")
     assert limits.min_step_peak_saving_of_state == 0.9 and limits.losses_equal is True
     assert 0 < limits.max_time_over_floor < 0.5
+
+
+def again_dir(tmp_path: Path, log: Path = DATA / "baseline-again.log", **replace: tuple[str, str]) -> Path:
+    """A --from-logs folder with a second no-offload run, after the offload rows: ``log``."""
+    (tmp_path / "again").mkdir()
+    folder = logs_dir(tmp_path / "again", **replace)
+    shutil.copy(log, folder / "baseline-again.log")
+    return folder
+
+
+def test_the_floors_take_no_offload_from_both_runs_around_the_offload_rows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No offload ran 600 ms an iteration before the offload rows and 800 after them (the host slowed in
+    between): the floors take both runs' steady iterations together (700 ms), so a capped default at 750 ms,
+    over its threshold against the first run alone, passes; x no offload divides by the same time."""
+    slow = {"capped_default": ("iteration (ms): 6", "iteration (ms): 7")}
+    _, _, alone = verdict(logs_dir(tmp_path, **slow), capsys)
+    assert failing(alone) == ["step_time_capped_default"]
+    code, out, report = verdict(again_dir(tmp_path, **slow), capsys)
+    assert code == 0, out
+    assert report["measured"]["no_offload_ms"] == pytest.approx((601.2 + 798.9) / 2)
+    floor, floor_alone = (r["measured"]["floors"]["capped-default"]["floor_ms"] for r in (report, alone))
+    # The first forward (a third of one of 4 micro-batches' share) grows with no offload and hides more copies out.
+    assert floor - floor_alone == pytest.approx((1 - 1 / 12) * ((601.2 + 798.9) / 2 - 600.15))
+    detail = next(c["detail"] for c in report["checks"] if c["name"] == "step_time_capped_default")
+    assert "600.1 before the offload rows, 800.8 after" in detail
+    assert "losses_equal_baseline_again" in [c["name"] for c in report["checks"]]
+    page = (tmp_path / "again" / "logs" / "report.md").read_text()
+    assert "| baseline | `—` | ok | 600.1 (599-601) | 0.857 |" in page  # against 700 ms
+
+
+def test_a_second_no_offload_run_with_other_losses_fails_and_one_that_did_not_run_through_leaves_the_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No offload twice must log the same losses, or no bitwise check means anything; a second run that stopped
+    leaves the floors on the first run and is not compared."""
+    other = tmp_path / "other.log"
+    other.write_text((DATA / "baseline-again.log").read_text().replace("lm loss: 9.887412E+00", "lm loss: 9.9E+00"))
+    _, _, report = verdict(again_dir(tmp_path, other), capsys)
+    assert failing(report) == ["losses_equal_baseline_again"]
+    stopped = tmp_path / "stopped.log"
+    stopped.write_text("".join((DATA / "baseline-again.log").read_text().splitlines(keepends=True)[:52]))
+    (tmp_path / "second").mkdir()
+    code, out, report = verdict(again_dir(tmp_path / "second", stopped), capsys)
+    assert code == 0, out
+    assert report["runs"]["baseline-again"]["summary"]["status"] == "not available"
+    assert report["measured"]["no_offload_ms"] == pytest.approx(600.15)
+    assert "losses_equal_baseline_again" not in [c["name"] for c in report["checks"]]

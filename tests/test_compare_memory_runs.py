@@ -40,8 +40,9 @@ def test_run_mode_streams_each_run_into_its_log(
     assert "[step] iteration 6/6 (883.4 ms)" in printed.err  # plain progress lines off a terminal
     info = json.loads((out_dir / "run_info.json").read_text())
     assert {name: run["returncode"] for name, run in info["runs"].items()} == {
-        "baseline": 0, "step": 0, "capped-no-offload": 1, "capped-default": 0, "cpu-offload": 1,
+        "baseline": 0, "step": 0, "capped-no-offload": 1, "capped-default": 0, "baseline-again": 0, "cpu-offload": 1,
     }  # fmt: skip
+    assert list(info["runs"])[:5] == ["baseline", "step", "capped-no-offload", "capped-default", "baseline-again"]
     # the cap from the baseline's log: 39.18 GiB reserved less half of the 8.18 GiB state, rounded down
     assert info["cap_gib"] == 35.08
     assert commands["capped-no-offload"] == ["--offload-gpu-memory-cap-gib", "35.08"]
@@ -78,7 +79,7 @@ def test_a_night_cut_short_in_the_timeline_reruns_keeps_its_verdict_and_record(
     info = json.loads((out_dir / "run_info.json").read_text())
     assert info["environment"] == report["environment"] and info["timeline_runs"] == {}
     assert {name: run["returncode"] for name, run in info["runs"].items()} == {
-        "baseline": 0, "step": 0, "capped-no-offload": 1, "capped-default": 0,
+        "baseline": 0, "step": 0, "capped-no-offload": 1, "capped-default": 0, "baseline-again": 0,
     }  # fmt: skip
 
 
