@@ -36,6 +36,7 @@ from typing import Any
 from benchmarks import phase_lines
 from benchmarks.host_pace import pace_text, pooled_pace
 from benchmarks.memory_report import GB, GIB
+from benchmarks.pooled_rows import highest_peaks, pooled_medians, retries_text, retry_figures, rounds_text
 
 DEFAULT_CAPS = (90, 50, 0, 75, 25)  # most telling first: a call cut off at its limit still leaves a curve
 DEFAULT_LINK_GBPS = 52.0
@@ -79,8 +80,13 @@ def iterations_for(interval: int) -> tuple[int, Window]:
 
 def in_window(figures: dict[str, Any], key: str, window: Window) -> list[float]:
     """The values of ``figures[key]`` (by logged iteration) whose iteration is in ``window``."""
+    return [v for _, v in window_items(figures, key, window)]
+
+
+def window_items(figures: dict[str, Any], key: str, window: Window) -> list[tuple[str, Any]]:
+    """The (logged iteration, value) pairs of ``figures[key]`` whose iteration is in ``window`` and value is set."""
     first, last = window
-    return [v for i, v in (figures.get(key) or {}).items() if first <= int(i) <= last and v is not None]
+    return [(i, v) for i, v in (figures.get(key) or {}).items() if first <= int(i) <= last and v is not None]
 
 
 def median_ms(figures: dict[str, Any], window: Window = AT_INTERVAL_1) -> float | None:
@@ -96,23 +102,6 @@ def estimate_s(n_caps: int, micro_batches: int, upstream: bool, rounds: int = 1)
     offload = SWEEP_ITERS * OFFLOAD_EXTRA_S
     ours = len(OURS) * n_caps * (one["ours"] + offload)
     return rounds * (one["no offload"] + ours) + (one["upstream"] + offload) * upstream
-
-
-PEAKS = ("peak_allocated_GiB", "peak_reserved_GiB")
-
-
-def highest_peaks(runs: list[dict[str, Any]]) -> dict[str, float]:
-    """The highest of each peak (``PEAKS``) over a row's runs, where any logged it."""
-    found = {key: [figures[key] for figures in runs if figures.get(key) is not None] for key in PEAKS}
-    return {key: max(peaks) for key, peaks in found.items() if peaks}
-
-
-def pooled_medians(per_run: list[list[float]]) -> tuple[float | None, list[float | None]]:
-    """The median of every run's counted ms/iter together, and each run's own (None where a run counted none)."""
-    counted = [ms for values in per_run for ms in values]
-    return (statistics.median(counted) if counted else None), [
-        statistics.median(values) if values else None for values in per_run
-    ]
 
 
 def cell(figures: dict[str, Any], base: dict[str, Any] | None, window: Window = AT_INTERVAL_1) -> dict[str, Any]:
@@ -143,9 +132,14 @@ def pooled_cell(
         if runs[0].get(key) is not None:
             row[key] = runs[0][key]
     row |= highest_peaks(runs) | pooled_pace(runs)
-    retries = [n for figures in runs for n in in_window(figures, "allocator_retries_by_iteration", window)]
-    if retries:  # the caching allocator ran short under the cap in the timed iterations: each a stall
-        row["allocator_retries"] = sum(retries)
+    # The caching allocator ran short under the cap in the timed lines (each retry a stall), and what that cost.
+    row |= retry_figures(
+        [
+            ((figures.get("allocator_retries_by_iteration") or {}).get(i), ms)
+            for figures in runs
+            for i, ms in window_items(figures, "step_ms_by_iteration", window)
+        ]
+    )
     streamed = [g for figures in runs for g in in_window(figures, "streamed_GiB_by_iteration", window)]
     if streamed:  # the state that came back through the step rather than during the last backward
         row["streamed_in_step_GiB"] = statistics.median(streamed)
@@ -208,12 +202,6 @@ def plot(result: dict[str, Any], path: Any) -> str:
     return path.name
 
 
-def rounds_text(row: dict[str, Any], key: str = "ms_per_round") -> str:
-    """Each round's own median (``row[key]``), where a row ran in several: `` (rounds 612, 640)``; else nothing."""
-    medians = row.get(key)
-    return f" (rounds {', '.join(f'{ms:.0f}' for ms in medians if ms is not None)})" if medians else ""
-
-
 def table(result: dict[str, Any]) -> str:
     """The curve as text: per cap, each row's ms/iter and ratio (or why not), and the floor."""
     lines = [f"memory-speed curve, global batch {result.get('global_batch') or 'of the config'} "
@@ -236,7 +224,7 @@ def table(result: dict[str, Any]) -> str:
                          + (f"({row['x_floor']:.3f}x its floor)  " if row.get("x_floor") else "")
                          + (f"(quartiles {spread[0]:.0f}-{spread[1]:.0f}){rounds_text(row)}  " if spread else "")
                          + f"peak reserved {row.get('peak_reserved_GiB', 0):.2f} GiB  {equal}"
-                         + (f"  allocator retries {row['allocator_retries']}" if row.get("allocator_retries") else "")
+                         + retries_text(row)
                          + (f"  streamed in step {row['streamed_in_step_GiB']:.2f} GiB"
                             if row.get("streamed_in_step_GiB") else "")
                          + ("  (from its uncapped run)" if "derived" in row else "") + pace_text(row))  # fmt: skip

@@ -11,7 +11,7 @@ from typing import Any
 
 from benchmarks.host_pace import pooled_pace
 from benchmarks.megatron_job import steady
-from benchmarks.memory_speed_curve import highest_peaks, pooled_medians
+from benchmarks.pooled_rows import highest_peaks, pooled_medians
 
 __all__ = ["in_turn", "pool", "round_name"]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks.host_pace import pace_text
-from benchmarks.memory_speed_curve import rounds_text
+from benchmarks.pooled_rows import rounds_text
 from benchmarks.side_by_side_rows import UPSTREAM_BASE
 from benchmarks.trace_summary import table as trace_table
 
