@@ -3,8 +3,8 @@ Megatron-LM's loop side by side (side_by_side_rounds.py): one median of every ru
 round's own, the highest peaks, and what the caching allocator's retries cost the row.
 
 Under a tight cap the allocator's retries come in runs: a run that has not retried for a while starts retrying in
-every micro-batch's forward and keeps on (each retry synchronizes the compute stream, waits for the copies in
-flight and hands the cache back, only for the next forward to map it again). A row's total alone hides that; the
+every micro-batch's forward and keeps on (each retry synchronizes every stream, so the host waits for the copies
+in flight, and hands the cache back, only for the next forward to map it again). A row's total alone hides that; the
 counted lines that retried against those that did not show what the retries cost it, each kind's median side by
 side."""
 
