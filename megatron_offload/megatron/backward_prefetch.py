@@ -42,8 +42,7 @@ class PrefetchDuringBackward:
     What does not come back early starts back once backward is done (``finalize_prefetch.bring_back_for_step``)
     or streams in the step, its copies in beside the step's copies out (the link carries both directions at
     once), so only the copies in beyond the step's copies out lengthen it: the bytes the step leaves to the
-    next forward: what the latest first forward found still going out (``handle.left_to_forward(carried=True)``),
-    which may pass the half forward the steps plan to leave it. Bringing more back early is worth it only
+    next forward (``handle.left_to_forward()``). Bringing more back early is worth it only
     while it is free. Near the limit it is not: memory freed by backward is cached in blocks our chunks may
     not fit, so the caching allocator runs out of room and retries, and each retry synchronizes the device
     and unmaps its cache in the middle of the backward. Once ``RETRYING_BACKWARDS`` last backwards in a row
