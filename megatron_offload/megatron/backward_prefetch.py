@@ -184,7 +184,7 @@ class PrefetchDuringBackward:
         self.readings = []
         self.step_started, self.retries_before, self.stopped = False, None, False
         self.step_extra = self.handle.step_footprint()
-        self.worth = self.handle.left_to_forward(carried=True)
+        self.worth = self.handle.left_to_forward()
         sizes = self.handle.moving_chunks()
         self.moving, self.smallest = sum(sizes), max(1, min(sizes, default=0))
 

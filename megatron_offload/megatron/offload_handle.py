@@ -58,7 +58,8 @@ class OffloadHandle:
         return self.decision.scheduler
 
     # ------------------------------------------------------------- what the hooks call (pacing.Handle)
-    def pump(self) -> None:  # a point of the training loop: start and retire copies, never wait (CopyQueue.pump)
+    def pump(self) -> None:
+        """A point of the training loop: start and retire copies, never wait (engine.pump)."""
         for offloader in self.offloaders:
             if not offloader.copies.idle:
                 offloader.copies.pump()
@@ -77,7 +78,8 @@ class OffloadHandle:
             started += offloader.prefetch(room, landed_only=landed_only, now=now)
         return started
 
-    def moving_chunks(self) -> list[int]:  # the sizes of the chunks that leave the GPU between steps (not kept)
+    def moving_chunks(self) -> list[int]:
+        """The sizes of the chunks that leave the GPU between steps (those not kept)."""
         return [chunk.nbytes for offloader in self.offloaders for chunk in offloader.chunks if not chunk.kept]
 
     def pending_offload_bytes(self) -> int:
@@ -125,13 +127,11 @@ class OffloadHandle:
     def step_footprint(self) -> int:
         return max((streamed_step.footprint(offloader) for offloader in self.offloaders), default=0)
 
-    def left_to_forward(self, carried: bool = False) -> int:
+    def left_to_forward(self) -> int:
         """Bytes of the early chunks' copies out the steps leave for the next forward's hooks (why: share_out.py), all
-        offloaders together: what the link carries in half the first forward (its activations grow from its start).
-        ``carried``: as many as the latest first forward found still pending, if more, up to what all of it carries."""
+        offloaders together: what the link carries in half the first forward (its activations grow from its start)."""
         ms = self._room.first_forward_ms if self._room is not None else None
-        half = int(self.link_out() * ms / 1000 / 2) if ms else 0
-        return max(half, min(self._room.carried, 2 * half)) if carried and half else half
+        return int(self.link_out() * ms / 1000 / 2) if ms else 0
 
     def link_out(self) -> float:
         """Bytes per second the copies out reached, all offloaders together (at most the link's); 0 until timed."""

@@ -47,7 +47,7 @@ class Handle(Protocol):
     def evict(self, nbytes: int) -> int: ...
     def step_footprint(self) -> int: ...
     def count_hook_wait(self) -> None: ...
-    def left_to_forward(self, carried: bool = False) -> int: ...
+    def left_to_forward(self) -> int: ...
 
 
 class RoomForForward:
@@ -104,7 +104,6 @@ class RoomForForward:
         self.next_read = 0  # the hook (``calls``) whose memory is read next
         self.waited = 0  # times a forward had the compute stream wait for copies out (for tests and the log)
         self.first_forward_ms: float | None = None  # the shortest first forward so far, first hook to last
-        self.carried = 0  # bytes of copies out still pending at the latest first forward's first hook
         self._marks: list[Any] = []  # this iteration's first forward: events at its first and last hook
 
     @property
@@ -134,8 +133,6 @@ class RoomForForward:
                 self.handle.drain_offloads(None)
             return
         pending = self.handle.pending_offload_bytes()
-        if self.calls == 1:
-            self.carried = pending  # what the step left going out: this forward carries it (share_out.py)
         if not self.profile or (self.calls < self.next_read and not pending):
             return  # nothing leaving and no reading due: a reading every few hooks is enough to see a forward grow
         headroom = self.handle.scheduler.headroom()

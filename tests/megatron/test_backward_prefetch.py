@@ -56,7 +56,7 @@ class BackwardLedger(Ledger):
         self.step_extra, self.resident, self.asked = step_extra, 0, []
         self.left = 0  # what the step leaves to the next forward's hooks (0: the first forward is not timed yet)
 
-    def left_to_forward(self, carried: bool = False) -> int:
+    def left_to_forward(self) -> int:
         return self.left
 
     def step_footprint(self) -> int:

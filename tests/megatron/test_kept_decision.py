@@ -179,26 +179,6 @@ def test_the_step_leaves_the_next_forward_what_the_link_carries_in_half_its_firs
     assert handle.forward_hides() == 0  # no copy out timed yet
 
 
-def test_the_last_backward_is_worth_what_the_first_forward_found_still_going_out(offloaders) -> None:
-    """The steps may leave the next forward more copies out than the half forward they plan to (the way out stands
-    still while the host waits on the step's result): the last backward then brings that much back early, never
-    more than the link carries in the whole first forward, never less than the plan."""
-    handle = OffloadHandle(object(), OffloadConfig())
-    handle.offloaders = offloaders
-    handle._room = room = RoomForForward(handle, [torch.nn.Linear(2, 2)])
-    offloaders[0].stats.bytes_offloaded, offloaders[0].stats.offload_seconds = 30 * GIB, 0.5
-    offloaders[1].stats.bytes_offloaded, offloaders[1].stats.offload_seconds = 10 * GIB, 0.5
-    room.first_forward_ms = 50.0
-    half = handle.left_to_forward()
-    assert half == int(40 * GIB * 0.050 / 2)  # both offloaders' bytes over their copies' time, half the forward
-    for carried, worth in ((half // 2, half), (3 * half // 2, 3 * half // 2), (5 * half, 2 * half)):
-        room.carried = carried
-        assert handle.left_to_forward(carried=True) == worth
-        assert handle.forward_hides() == half // 2  # what the steps plan to leave, shared by the two, is unchanged
-    room.first_forward_ms = None
-    assert handle.left_to_forward(carried=True) == 0  # no forward timed yet: nothing is worth bringing back early
-
-
 @pytest.mark.parametrize("prefetch", ["auto", "step"])
 def test_what_moves_starts_back_as_the_step_begins_within_its_room(
     monkeypatch: pytest.MonkeyPatch, offloaders: list, prefetch: str

@@ -280,22 +280,6 @@ class Mark:
         return end.at - self.at
 
 
-def test_the_first_hook_after_a_step_records_what_the_forward_carries_out(room) -> None:
-    """What is still going out at the first forward's first hook (a later micro-batch's forward leaves it be):
-    what the backward may bring back early beside it (OffloadHandle.left_to_forward)."""
-    hooks, ledger, allocated, model = room
-    learn(hooks, ledger, allocated, model)
-    ledger.pieces = [256 * MIB] * 3
-    forward(model, allocated, [p + 768 * MIB for p in PROFILE])
-    assert hooks.carried == 768 * MIB
-    ledger.pieces = []
-    forward(model, allocated, PROFILE)  # the next micro-batch's forward, nothing going out
-    assert hooks.carried == 768 * MIB
-    hooks.new_iteration()
-    forward(model, allocated, PROFILE)  # the next iteration's first forward: the step left nothing
-    assert hooks.carried == 0
-
-
 def test_the_first_forward_is_timed_from_its_first_hook_to_its_last_and_the_shortest_is_kept(room) -> None:
     hooks, ledger, allocated, model = room
     marks: list[Mark] = []
