@@ -66,6 +66,25 @@ def summary(text: str, skip: int = SKIPPED_LINES) -> dict[str, list[float]]:
     return {phase: [statistics.median(gpu[phase]), statistics.median(host[phase])] for phase in gpu}
 
 
+# Megatron-LM's log line: its iteration and the ms an iteration (at --log-interval k, the mean of the k before it).
+LOGGED = re.compile(r"iteration +(\d+)/ *\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)")
+
+
+def outside_lines(texts: dict[str, str], rows: dict[str, dict[str, list[float]]], skip: int = SKIPPED_LINES) -> str:
+    """Per log, Megatron-LM's ms an iteration (the median of its lines past iteration ``skip``) beside the phases'
+    sum of medians: the difference is what the loop spends outside ``train_step``, its logging and its timers, which
+    synchronize the whole device (``torch.cuda.synchronize()``) and so wait for every copy in flight on any stream."""
+    lines = []
+    for name, text in texts.items():
+        logged = [float(ms) for iteration, ms in LOGGED.findall(text) if int(iteration) > skip]
+        if logged and rows.get(name):
+            median, phases = statistics.median(logged), sum(gpu for gpu, _ in rows[name].values())
+            lines.append(
+                f"{name[:24]:24} logged {median:.1f} ms an iteration, {median - phases:+.1f} outside train_step\n"
+            )
+    return "".join(lines)
+
+
 def order(phase: str) -> tuple[int, int]:
     """Phases in the order they run: pre, x, F1, B1, F2, ..., Blast, step."""
     if phase in ("pre", "x"):

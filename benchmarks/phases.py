@@ -37,7 +37,8 @@ completed, read without waiting; the rest at exit.
     python -m benchmarks.phases --snapshot-oom PATH SCRIPT [ARGS...]
                                                      where an allocation fails, the allocator's snapshot then
                                                      (PATH-oom.pickle) and the Python stack that asked (PATH-oom.txt)
-    python -m benchmarks.phases --summary LOG ...    each log's medians per phase (iterations 4 on)
+    python -m benchmarks.phases --summary LOG ...    each log's medians per phase (iterations 4 on), and its logged
+                                                     ms an iteration beside their sum (the rest is outside train_step)
 
 Options combine, in any order before SCRIPT.
 
@@ -57,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import phase_lines
-from benchmarks.phase_lines import ALLOCATOR_COUNTERS, Event, Mark, counter_line, line, summary, table
+from benchmarks.phase_lines import ALLOCATOR_COUNTERS, Event, Mark, counter_line, line, outside_lines, summary, table
 from benchmarks.phase_probes import LinkTimeline, bring_back_summary, link_summary, note_bring_back, time_hooks
 
 
@@ -165,14 +166,14 @@ def options(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--summary"]:
-        rows = {path: summary(Path(path).read_text()) for path in argv[1:]}
-        print(table(rows, base=next(iter(rows), None)), end="")
-        links = {path: link_summary(Path(path).read_text()) for path in argv[1:]}
+        texts = {path: Path(path).read_text() for path in argv[1:]}
+        rows = {path: summary(text) for path, text in texts.items()}
+        print(table(rows, base=next(iter(rows), None)) + outside_lines(texts, rows), end="")
+        links = {path: link_summary(text) for path, text in texts.items()}
         if any(links.values()):  # runs with --link: each phase's median ms of copies out (copies in)
             print("link, out (in) ms:\n" + table({p: row for p, row in links.items() if row}), end="")
-        backs = {path: bring_back_summary(Path(path).read_text()) for path in argv[1:]}
-        for path in filter(backs.get, backs):  # runs with --link that moved state: what their last backwards brought
-            print(f"{path}: {backs[path]}")
+        backs = {path: bring_back_summary(text) for path, text in texts.items()}
+        print(*(f"{path}: {backs[path]}\n" for path in filter(backs.get, backs)), sep="", end="")  # --link runs
         return 0
     found, argv = options(argv)
     import torch

@@ -90,6 +90,26 @@ def test_the_summary_takes_medians_past_the_first_lines_and_the_table_gives_diff
     assert phase_lines.order("B10") > phase_lines.order("F10") > phase_lines.order("B9") > phase_lines.order("x")
 
 
+def test_the_time_outside_train_step_is_megatrons_logged_time_less_the_phases() -> None:
+    """Megatron-LM's loop synchronizes the device at each log line (its timers) outside ``train_step``: the summary
+    says how long that took, from the log lines past the first iterations, at any --log-interval."""
+    prefix = phase_lines.PREFIX
+    phases = "\n".join(f"{prefix} pre=1.0/1.0 F1=100.0/100.0 step=200.0/200.0" for _ in range(8))
+
+    def logged(iteration: int, ms: float) -> str:
+        return f" [2026-11-29 21:00:00] iteration {iteration:8d}/      25 | elapsed time per iteration (ms): {ms} |"
+
+    text = (
+        phases
+        + "\n"
+        + "\n".join(logged(i, ms) for i, ms in [(1, 3000.0), (3, 900.0), (4, 350.0), (5, 360.0), (6, 340.0)])
+    )
+    rows = {"capped": phase_lines.summary(text)}
+    said = phase_lines.outside_lines({"capped": text}, rows)
+    assert said.split() == ["capped", "logged", "350.0", "ms", "an", "iteration,", "+49.0", "outside", "train_step"]
+    assert phase_lines.outside_lines({"no lines": phases}, {"no lines": phase_lines.summary(phases)}) == ""
+
+
 def test_the_sweep_prints_each_caps_phases_beside_no_offloads(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     launchers: list[str] = []
 
