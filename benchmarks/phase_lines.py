@@ -12,6 +12,8 @@ import statistics
 from pathlib import Path
 from typing import Any, Protocol
 
+from benchmarks.memory_report import parse_log
+
 PREFIX = "phases (GPU/host ms):"
 ALLOCATOR_LINE = "allocator and host per phase"  # then its fields (COUNTED) in parentheses
 ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free")
@@ -66,17 +68,14 @@ def summary(text: str, skip: int = SKIPPED_LINES) -> dict[str, list[float]]:
     return {phase: [statistics.median(gpu[phase]), statistics.median(host[phase])] for phase in gpu}
 
 
-# Megatron-LM's log line: its iteration and the ms an iteration (at --log-interval k, the mean of the k before it).
-LOGGED = re.compile(r"iteration +(\d+)/ *\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)")
-
-
 def outside_lines(texts: dict[str, str], rows: dict[str, dict[str, list[float]]], skip: int = SKIPPED_LINES) -> str:
     """Per log, Megatron-LM's ms an iteration (the median of its lines past iteration ``skip``) beside the phases'
     sum of medians: the difference is what the loop spends outside ``train_step``, its logging and its timers, which
     synchronize the whole device (``torch.cuda.synchronize()``) and so wait for every copy in flight on any stream."""
     lines = []
     for name, text in texts.items():
-        logged = [float(ms) for iteration, ms in LOGGED.findall(text) if int(iteration) > skip]
+        steps = parse_log(text).steps  # Megatron-LM's log lines (at --log-interval k, each the mean of k iterations)
+        logged = [step.step_ms for iteration, step in steps.items() if iteration > skip and step.step_ms is not None]
         if logged and rows.get(name):
             median, phases = statistics.median(logged), sum(gpu for gpu, _ in rows[name].values())
             lines.append(
