@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from megatron_offload.core.gpu_memory import EXPANDABLE_PAGE_BYTES, allocated_bytes, allocation_counters, read_memory
+from megatron_offload.core.gpu_memory import allocated_bytes, allocation_counters, read_memory
 from megatron_offload.core.units import MIB
 from megatron_offload.megatron.pacing import Handle, sampled
 
@@ -24,10 +24,6 @@ PACING_MIN_MARGIN_BYTES = 64 * MIB
 # step's copies in beside its copies out. RETRYING_BACKWARDS in a row stop it: a single spike does not.
 RETRIES_TOLERATED = 1
 RETRYING_BACKWARDS = 2
-# What a piece of state brought back into memory backward freed may keep mapped beyond its own bytes: a page at
-# each end that it shares with blocks backward frees later. A retry unmaps only whole free pages, so those stay
-# taken under the cap; the room counted in allocated bytes pays them.
-PINNED_PER_PIECE = 2 * EXPANDABLE_PAGE_BYTES
 
 
 class PrefetchDuringBackward:
@@ -39,8 +35,6 @@ class PrefetchDuringBackward:
     - beyond what coming back early is worth (below), only into memory the allocator could still map under
       the limit (``scheduler.spare``): what backward frees stays mapped in blocks of its own sizes, which pieces
       coming back may not fit, and the next forward then finds the cap reached;
-    - what comes back beyond that memory lands in blocks backward freed: each piece (at most ``piece_bytes``)
-      pays from the room counted in allocated bytes the pages it may keep mapped (``PINNED_PER_PIECE``);
     - bounded at the step, whose own tensors (fp32 grads, Adam's temporaries, staging) come on top of
       what came back and of all kept state: what the step holds at its start without state is learned too.
     The first iteration that samples only learns.
@@ -60,15 +54,9 @@ class PrefetchDuringBackward:
     """
 
     def __init__(
-        self,
-        handle: Handle,
-        model_chunks: Sequence[torch.nn.Module],
-        in_last_microbatch: Callable[[], bool],
-        piece_bytes: int,
+        self, handle: Handle, model_chunks: Sequence[torch.nn.Module], in_last_microbatch: Callable[[], bool]
     ) -> None:
         self.handle = handle
-        self.piece_bytes = piece_bytes  # state comes back in blocks of at most this (--offload-chunk-mb)
-        self.pinned = 0  # pages pieces brought back into freed memory may keep mapped, in this last backward
         self.in_last_microbatch = in_last_microbatch
         self.brought = 0  # bytes brought back during this iteration
         self.readings: list[tuple[int, int]] = []  # learning: (held without state, bytes allocated so far) per hook
@@ -124,39 +112,28 @@ class PrefetchDuringBackward:
             return
         handle, scheduler = self.handle, self.handle.scheduler
         room = scheduler.room() - handle.kept_bytes() - handle.pending_offload_bytes() - self.brought
-        spare = None  # what the allocator can still map: read in the last backward only
         if last:  # only the last backward reads memory: the next-to-last one's room is the forward's natural peak's
             reading = first or read_memory()
             if reading.retries > (self.retries_before or 0):
                 self.stopped = True  # the allocator retried in this backward: its blocks are at the cap
                 return
             ahead = self.ahead[min(self.hook, len(self.ahead)) - 1]  # learned with at least one hook
-            room = max(room, scheduler.backward_room(reading.allocated + ahead + self.pinned))
-            spare = max(0, scheduler.spare(reading.reserved) - PACING_MIN_MARGIN_BYTES)
-            # Beyond what the allocator can map without a retry, only what coming back early is worth, into
-            # memory backward freed, each piece there paying its pages.
-            worth = max(0, self.worth - self.brought - spare)
-            if spare + self.paying_pages(worth) < self.smallest:
+            room = max(room, scheduler.backward_room(reading.allocated + ahead))
+            # Beyond what coming back early is worth, only what the allocator can map without a retry.
+            mappable = max(self.worth - self.brought, scheduler.spare(reading.reserved) - PACING_MIN_MARGIN_BYTES)
+            if mappable < self.smallest:
                 # Neither grows again in this backward: what came back only grows, and with the allocator's
                 # default max_split_size_mb and garbage_collection_threshold it unmaps only in a retry, which
                 # stops it too (set, it may unmap sooner: what it frees then is left to the step, never lost).
                 # The later hooks need not read memory.
                 self.stopped = True
                 return
-            room = min(room, spare + self.paying_pages(min(worth, max(0, room - spare))))
+            room = min(room, mappable)
         room = min(room, bound)
         # A call that could bring nothing back (room for no chunk) walks every chunk for naught, in the
         # backward's thread, at every hook.
-        if room < self.smallest:
-            return
-        got = handle.prefetch(max_bytes=room, landed_only=True)
-        self.brought += got
-        if spare is not None and got > spare:
-            self.pinned += PINNED_PER_PIECE * -(-(got - spare) // self.piece_bytes)
-
-    def paying_pages(self, nbytes: int) -> int:
-        """Of ``nbytes`` of room counted in allocated bytes, what pieces may fill once each pays its pages."""
-        return nbytes * self.piece_bytes // (self.piece_bytes + PINNED_PER_PIECE)
+        if room >= self.smallest:
+            self.brought += handle.prefetch(max_bytes=room, landed_only=True)
 
     def step_bound(self) -> int | None:
         """Most bytes that may still come back before the step (None until the step was learned): at its start
@@ -203,7 +180,7 @@ class PrefetchDuringBackward:
         """Called after every step: learn from the backward just seen, start afresh."""
         if self.backwards_per_iteration is None and self.backwards:
             self.backwards_per_iteration = self.backwards  # the next iteration samples its last backward
-        self.sampled, self.brought, self.backwards, self.hook, self.pinned = False, 0, 0, 0, 0
+        self.sampled, self.brought, self.backwards, self.hook = False, 0, 0, 0
         self.readings = []
         self.step_started, self.retries_before, self.stopped = False, None, False
         self.step_extra = self.handle.step_footprint()

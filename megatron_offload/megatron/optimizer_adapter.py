@@ -108,9 +108,7 @@ def attach_offloader(optimizer: Any, config: OffloadConfig | None = None, **over
         handle.wrappers.model_chunks = model_chunks
         handle.wrappers.wrap_finalize_functions(handle)
         if config.prefetch is PrefetchPolicy.AUTO:
-            handle._pacer = PrefetchDuringBackward(
-                handle, model_chunks, lambda: _in_last_microbatch(model_chunks), int(config.chunk_mb * MIB)
-            )
+            handle._pacer = PrefetchDuringBackward(handle, model_chunks, lambda: _in_last_microbatch(model_chunks))
         # The first forward timed on training's stream, for the step to leave it what it hides (forward_hides).
         streams = handle.offloaders[0].streams if handle.offloaders else None
         clock = (lambda: streams.mark(timed=True)) if handle.on_cuda and streams is not None else None

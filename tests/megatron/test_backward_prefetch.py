@@ -80,7 +80,7 @@ def test_the_last_backward_leaves_room_at_the_step_for_all_kept_state(monkeypatc
     ledger.scheduler.start_step()
     ledger.scheduler.observe_step_end(Peaks(4 * GIB, 4 * GIB), resident=0)  # the peak without state
     param = torch.nn.Parameter(torch.zeros(2))
-    hooks = backward_prefetch.PrefetchDuringBackward(ledger, [torch.nn.Linear(2, 2)], lambda: True, GIB // 2)
+    hooks = backward_prefetch.PrefetchDuringBackward(ledger, [torch.nn.Linear(2, 2)], lambda: True)
     hooks.on_gpu = True
     natural_at_step, kept = 2 * GIB, 3 * GIB
 
@@ -122,7 +122,7 @@ def test_a_backward_hook_asks_for_nothing_it_could_not_bring_back(monkeypatch, c
     ledger.scheduler.start_step()
     ledger.scheduler.observe_step_end(Peaks(4 * GIB, 4 * GIB), resident=0)
     param = torch.nn.Parameter(torch.zeros(2))
-    hooks = backward_prefetch.PrefetchDuringBackward(ledger, [torch.nn.Linear(2, 2)], lambda: True, GIB // 2)
+    hooks = backward_prefetch.PrefetchDuringBackward(ledger, [torch.nn.Linear(2, 2)], lambda: True)
     hooks.on_gpu = True
     for _ in range(3):  # learn the backwards per iteration, then what the backward and the step hold
         hooks.on_grad_ready(param)
@@ -157,7 +157,7 @@ class Retrying(BackwardLedger):
         """Backward hooks over this ledger, the forward's peak at 4 of its 20 GiB."""
         self.scheduler.start_step()
         self.scheduler.observe_step_end(Peaks(4 * GIB, 4 * GIB), resident=0)
-        hooks = backward_prefetch.PrefetchDuringBackward(self, [torch.nn.Linear(2, 2)], lambda: True, GIB // 2)
+        hooks = backward_prefetch.PrefetchDuringBackward(self, [torch.nn.Linear(2, 2)], lambda: True)
         hooks.on_gpu = True
         return hooks
 
@@ -221,7 +221,7 @@ def test_memory_is_read_only_in_the_last_backward_and_only_while_something_can_c
     ledger.scheduler.start_step()
     ledger.scheduler.observe_step_end(Peaks(4 * GIB, 4 * GIB), resident=0)
     param = torch.nn.Parameter(torch.zeros(2))
-    hooks = backward_prefetch.PrefetchDuringBackward(ledger, [torch.nn.Linear(2, 2)], lambda: True, GIB // 2)
+    hooks = backward_prefetch.PrefetchDuringBackward(ledger, [torch.nn.Linear(2, 2)], lambda: True)
     hooks.on_gpu = True
     first, other = param, torch.nn.Parameter(torch.zeros(2))
 

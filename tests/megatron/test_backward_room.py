@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_offload.core.gpu_memory import Reading
-from megatron_offload.core.units import GIB, MIB
+from megatron_offload.core.units import GIB
 from megatron_offload.megatron import backward_prefetch
 from megatron_offload.optimizer_state.scheduler import Peaks
 from tests.megatron.test_backward_prefetch import Memory, Retrying
@@ -30,7 +30,7 @@ def test_a_retry_in_the_last_backward_stops_what_comes_back_in_it(
     ledger.scheduler.start_step()
     ledger.scheduler.observe_step_end(Peaks(18 * GIB, 18 * GIB), resident=0)  # the forward's peak: 18 of 20 GiB
     first, second = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
-    hooks = backward_prefetch.PrefetchDuringBackward(ledger, [torch.nn.Linear(2, 2)], lambda: True, GIB // 2)
+    hooks = backward_prefetch.PrefetchDuringBackward(ledger, [torch.nn.Linear(2, 2)], lambda: True)
     hooks.on_gpu = True
 
     def last_backward() -> int:
@@ -60,9 +60,8 @@ def test_beyond_what_the_step_leaves_the_forward_only_memory_the_allocator_can_s
 ) -> None:
     """Backward freed 11 GiB between two hooks of the last backward, but the allocator keeps 18 of its 20 GiB
     mapped (in blocks of backward's sizes): what comes back at the second hook is at most what it can still map
-    beside them, or what the step leaves to the next forward where that is more: the bytes beyond what it can map
-    land in freed blocks, each 0.5 GiB piece paying two 20 MiB pages it may keep mapped. Once the freed memory
-    is unmapped (reserved follows allocated), the room backward freed comes back."""
+    beside them, or what the step leaves to the next forward where that is more. Once the freed memory is
+    unmapped (reserved follows allocated), the room backward freed comes back."""
     memory = Memory(17 * GIB).install(monkeypatch)
     mapped = {"bytes": 0}
     reading = lambda: Reading(memory.now, max(memory.now, mapped["bytes"]), 0)  # noqa: E731
@@ -72,7 +71,7 @@ def test_beyond_what_the_step_leaves_the_forward_only_memory_the_allocator_can_s
     ledger.scheduler.start_step()
     ledger.scheduler.observe_step_end(Peaks(18 * GIB, 18 * GIB), resident=0)
     first, second = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
-    hooks = backward_prefetch.PrefetchDuringBackward(ledger, [torch.nn.Linear(2, 2)], lambda: True, GIB // 2)
+    hooks = backward_prefetch.PrefetchDuringBackward(ledger, [torch.nn.Linear(2, 2)], lambda: True)
     hooks.on_gpu = True
 
     def last_backward(reserved: int) -> list[int]:
@@ -95,9 +94,7 @@ def test_beyond_what_the_step_leaves_the_forward_only_memory_the_allocator_can_s
     spare = ledger.scheduler.spare(18 * GIB) - backward_prefetch.PACING_MIN_MARGIN_BYTES
     first_ask, second_ask = last_backward(18 * GIB)
     brought = min(first_ask // (GIB // 2) * (GIB // 2), 8 * GIB)
-    piece, pages = GIB // 2, 2 * 20 * MIB
-    assert second_ask == spare + max(0, left - brought - spare) * piece // (piece + pages)
-    assert (second_ask < left - brought) == (left > 0)
+    assert second_ask == max(spare, left - brought)
     _, unmapped_ask = last_backward(6 * GIB)
     assert unmapped_ask > 4 * GIB > second_ask
 
@@ -124,7 +121,7 @@ def test_with_no_room_the_allocator_can_map_the_later_hooks_of_that_backward_rea
     ledger.scheduler.start_step()
     ledger.scheduler.observe_step_end(Peaks(18 * GIB, 18 * GIB), resident=0)
     params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
-    hooks = backward_prefetch.PrefetchDuringBackward(ledger, [torch.nn.Linear(2, 2)], lambda: True, GIB // 2)
+    hooks = backward_prefetch.PrefetchDuringBackward(ledger, [torch.nn.Linear(2, 2)], lambda: True)
     hooks.on_gpu = True
 
     def last_backward() -> tuple[int, int]:
@@ -143,63 +140,3 @@ def test_with_no_room_the_allocator_can_map_the_later_hooks_of_that_backward_rea
     last_backward()
     last_backward()  # learning: nothing comes back
     assert last_backward() == ((1, 0) if left == 0 else (3, 3))
-
-
-class Pieces(Retrying):
-    """Brings back whole pieces of ``piece`` bytes, as many as asked, each adding to the memory held."""
-
-    def __init__(self, memory: Memory, piece: int) -> None:
-        super().__init__()
-        self.memory, self.piece = memory, piece
-
-    def moving_chunks(self) -> list[int]:
-        return [self.piece] * (8 * GIB // self.piece)
-
-    def prefetch(self, max_bytes: int | None = None, landed_only: bool = False) -> int:
-        self.asked.append(max_bytes)
-        got = min(max_bytes // self.piece * self.piece, 8 * GIB - sum(self.got))
-        self.got.append(got)
-        self.memory.now += got
-        return got
-
-
-@pytest.mark.parametrize("piece", [4 * MIB, GIB // 2], ids=["4-MiB-pieces", "half-GiB-pieces"])
-def test_pieces_brought_back_into_freed_memory_pay_the_pages_they_may_keep_mapped(
-    monkeypatch: pytest.MonkeyPatch, piece: int
-) -> None:
-    """The allocator maps its whole limit through the last backward (nothing it can map anew) and the step leaves
-    8 GiB to the forward: what comes back lands in blocks backward freed. A retry unmaps only whole free pages, so
-    each piece may keep a 20 MiB page at each end mapped: at every hook, what is held, what the rest of the backward
-    adds and two pages per piece brought stay within the room counted in allocated bytes, with small pieces too."""
-    memory = Memory(12 * GIB).install(monkeypatch)
-    monkeypatch.setattr(backward_prefetch, "read_memory", lambda: Reading(memory.now, 20 * GIB, 0))
-    ledger = Pieces(memory, piece)
-    ledger.left, ledger.got = 8 * GIB, []
-    ledger.scheduler.start_step()
-    ledger.scheduler.observe_step_end(Peaks(18 * GIB, 18 * GIB), resident=0)
-    params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
-    hooks = backward_prefetch.PrefetchDuringBackward(ledger, [torch.nn.Linear(2, 2)], lambda: True, piece)
-    hooks.on_gpu = True
-    pages = 2 * 20 * MIB
-    held_at_hooks = []
-
-    def last_backward() -> None:
-        ledger.got.clear()
-        brought = 0
-        for natural, param in zip([12 * GIB, 11 * GIB, 9 * GIB], params, strict=True):
-            memory.set(natural + brought)
-            hooks.on_grad_ready(param)
-            brought = sum(ledger.got)
-            if hooks.ahead is not None and ledger.got:
-                ahead = hooks.ahead[hooks.hook - 1]
-                held_at_hooks.append(memory.now + ahead + brought // piece * pages)
-        memory.set(2 * GIB)
-        hooks.on_backward_done()
-        hooks.on_step_start()
-        hooks.new_iteration()
-
-    last_backward()
-    last_backward()  # learning: nothing comes back
-    last_backward()
-    assert sum(ledger.got) > 0  # something came back into the freed memory
-    assert held_at_hooks and max(held_at_hooks) <= ledger.scheduler.headroom()

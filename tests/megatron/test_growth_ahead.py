@@ -45,9 +45,7 @@ class LastBackwards:
         natural = max(held + spike for held, spike in zip(HELD, spikes, strict=True)) + above  # temporaries count
         self.ledger.scheduler.observe_step_end(Peaks(natural, natural), resident=0)
         self.params = [torch.nn.Parameter(torch.zeros(2)) for _ in HELD]
-        self.hooks = backward_prefetch.PrefetchDuringBackward(
-            self.ledger, [torch.nn.Linear(2, 2)], lambda: True, GIB // 2
-        )
+        self.hooks = backward_prefetch.PrefetchDuringBackward(self.ledger, [torch.nn.Linear(2, 2)], lambda: True)
         self.hooks.on_gpu = True
         self.headroom = self.ledger.scheduler.headroom()
 

@@ -159,7 +159,6 @@ def test_the_line_says_where_in_the_iteration_memory_ran_out() -> None:
     from megatron.core.pipeline_parallel.schedules import custom_backward
 
     from megatron_offload.config.options import OffloadConfig
-    from megatron_offload.core.units import MIB
     from megatron_offload.megatron.backward_prefetch import PrefetchDuringBackward
     from megatron_offload.megatron.offload_handle import OffloadHandle
     from megatron_offload.megatron.pacing import RoomForForward
@@ -172,7 +171,7 @@ def test_the_line_says_where_in_the_iteration_memory_ran_out() -> None:
     assert raised_in(error, iteration=3) == "in a forward of iteration 3, while optimizer state left"
     leaving.remove()
     loss = model(inputs).sum()
-    coming = PrefetchDuringBackward(PumpRunsOutOfMemory(), [model], lambda: True, 64 * MIB)
+    coming = PrefetchDuringBackward(PumpRunsOutOfMemory(), [model], lambda: True)
     coming.on_gpu = True
     assert raised_in(raised(loss.backward)) == "in a backward, while optimizer state came back"
     coming.remove()

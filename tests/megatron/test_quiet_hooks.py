@@ -108,7 +108,7 @@ def test_a_quiet_backward_neither_pumps_nor_counts(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(backward_prefetch, "allocated_bytes", lambda: GIB)
     monkeypatch.setattr(backward_prefetch, "allocation_counters", lambda: (GIB, GIB))
     ledger = BackwardLedger(10 * GIB, step_extra=0)
-    hooks = backward_prefetch.PrefetchDuringBackward(ledger, [torch.nn.Linear(2, 2)], lambda: True, GIB // 2)
+    hooks = backward_prefetch.PrefetchDuringBackward(ledger, [torch.nn.Linear(2, 2)], lambda: True)
     hooks.on_gpu = True
     param = torch.nn.Parameter(torch.zeros(2))
     hooks.on_grad_ready(param)  # iteration 1: every chunk moves
