@@ -201,15 +201,18 @@ def test_the_default_fits_wherever_step_fits_and_never_exceeds_its_peak() -> Non
         try:
             training = build_gpt_training(shape)
             handle = attach_offloader(training.optimizer, prefetch=prefetch, chunk_mb=4)
+            streamed_before = None
             try:
                 train(training, 2)
+                streamed_before = handle.read_stats().bytes_streamed
+                train(training, 4)
             except torch.OutOfMemoryError as error:
+                ledger = f"kept {handle.kept_bytes()}, copies out pending {handle.pending_offload_bytes()}, left to "
+                ledger += f"the forward {handle.left_to_forward()}, natural peak {handle.scheduler.natural}"
                 raise AssertionError(
-                    f"{prefetch} ran out of memory under {budget=} above {held=} (what was held before building): "
-                    f"{error}"
+                    f"{prefetch} ran out of memory in iterations {'1-2' if streamed_before is None else '3-6'} under "
+                    f"{budget=} above {held=} (what was held before building; {ledger}): {error}"
                 ) from None
-            streamed_before = handle.read_stats().bytes_streamed
-            train(training, 4)
             stats = handle.read_stats()
             stats.bytes_streamed -= streamed_before
             kept, hides = handle.kept_bytes(), handle.forward_hides()
