@@ -59,7 +59,7 @@ class OffloadHandle:
 
     # ------------------------------------------------------------- what the hooks call (pacing.Handle)
     def pump(self) -> None:
-        """A point of the training loop: start and retire copies, never wait (engine.pump)."""
+        """A point of the training loop: start and retire copies, never wait (CopyQueue.pump)."""
         for offloader in self.offloaders:
             if not offloader.copies.idle:
                 offloader.copies.pump()
