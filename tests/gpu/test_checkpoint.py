@@ -34,7 +34,7 @@ from megatron.core.utils import unwrap_model  # noqa: E402
 from megatron_offload import attach_offloader  # noqa: E402
 from megatron_offload.megatron.optimizer_adapter import OffloadHandle, distributed_optimizers  # noqa: E402
 from tests.gpu.harness import GPTShape, GPTTraining, build_gpt_training, init_distributed  # noqa: E402
-from tests.gpu.test_megatron_offload import assert_bitwise_equal, snapshot  # noqa: E402
+from tests.gpu.parity import assert_bitwise_equal, snapshot  # noqa: E402
 
 STEPS = 10
 SAVE_AFTER = 5  # steps 0..4 run before the save

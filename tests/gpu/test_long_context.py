@@ -22,7 +22,7 @@ from megatron_offload.megatron.long_context_adapter import (  # noqa: E402
 from megatron_offload.megatron.sdpa_spec import sdpa_layer_spec  # noqa: E402
 from megatron_offload.megatron.weights_adapter import attach_weight_streamer, move_buffers_to_gpu  # noqa: E402
 from tests.gpu.harness import GPTShape, build_gpt_training, init_distributed  # noqa: E402
-from tests.gpu.test_megatron_offload import assert_bitwise_equal, snapshot, train  # noqa: E402
+from tests.gpu.parity import assert_bitwise_equal, snapshot, train  # noqa: E402
 
 SHAPE = GPTShape(num_layers=4, seq_length=1024, micro_batch_size=1, num_micro_batches=2)
 STEPS = 5

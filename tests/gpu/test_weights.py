@@ -17,7 +17,7 @@ from megatron_offload.core.gpu_memory import gpu_only  # noqa: E402
 from megatron_offload.core.mapped_memory import MappedPool, mapped_allocated_bytes  # noqa: E402
 from megatron_offload.megatron.weights_adapter import attach_weight_streamer, move_buffers_to_gpu  # noqa: E402
 from tests.gpu.harness import GPTShape, build_gpt_training, init_distributed  # noqa: E402
-from tests.gpu.test_megatron_offload import assert_bitwise_equal, snapshot, train  # noqa: E402
+from tests.gpu.parity import assert_bitwise_equal, snapshot, train  # noqa: E402
 
 SHAPE = GPTShape(num_layers=6, num_micro_batches=3)
 STEPS = 6

@@ -18,7 +18,7 @@ from megatron_offload.megatron.weights_adapter import attach_weight_streamer, mo
 from megatron_offload.megatron.weights_step import StepParts, attach_streamed_step  # noqa: E402
 from megatron_offload.optimizer_state import streamed_step  # noqa: E402
 from tests.gpu.harness import GPTShape, build_gpt_training, init_distributed  # noqa: E402
-from tests.gpu.test_megatron_offload import assert_bitwise_equal, snapshot, train  # noqa: E402
+from tests.gpu.parity import assert_bitwise_equal, snapshot, train  # noqa: E402
 
 SHAPE = GPTShape(num_layers=6, num_micro_batches=3)
 STEPS = 5

@@ -14,7 +14,7 @@ from megatron_offload.core.gpu_memory import Reading
 from megatron_offload.core.units import GIB
 from megatron_offload.megatron import backward_prefetch
 from megatron_offload.optimizer_state.scheduler import Peaks
-from tests.megatron.test_pacing import Ledger
+from tests.megatron.pacing_ledger import Ledger
 
 RETRIES = {"count": 0}  # the stand-in allocator's retries since the process began
 

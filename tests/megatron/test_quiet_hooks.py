@@ -16,9 +16,9 @@ from megatron_offload.core.gpu_memory import Reading
 from megatron_offload.core.units import GIB
 from megatron_offload.megatron import backward_prefetch, pacing
 from megatron_offload.megatron.optimizer_adapter import OffloadHandle
+from tests.megatron.pacing_ledger import PROFILE, Ledger, learn
 from tests.megatron.test_backward_prefetch import BackwardLedger
 from tests.megatron.test_kept_decision import offloader_of
-from tests.megatron.test_pacing import PROFILE, Ledger, learn
 
 
 def test_the_handle_says_quiet_only_when_no_chunk_moves_and_no_copy_is_under_way() -> None:
