@@ -35,6 +35,7 @@ LARGE_STATE = GPTShape(num_layers=4, hidden_size=2048, num_attention_heads=16, f
 STEPS = 6
 PAUSES = (2, 4)  # sleep after these iterations: the second reuses the host slabs of the first
 MIB = 1024**2
+PAGE = 20 * MIB  # the allocator's pages with expandable segments (large pool)
 
 # Another process (its own CUDA context and allocator) takes all it can, writes 0xA5 over it, frees it.
 FILL = """
@@ -109,7 +110,11 @@ def test_train_sleep_fill_wake_train_is_bitwise_training_without_the_pause(
         rose = report.device_free_after - report.device_free_before
         held = f"{report.held_by_allocator / MIB:.0f} MiB held by the allocator (pages live tensors share)"
         moved = f"free memory rose {rose / MIB:.0f} MiB for {report.nbytes / MIB:.0f} MiB"
-        assert rose >= 0.95 * report.nbytes, f"{moved}, {held}"
+        assert report.allocated_before - report.allocated_after >= report.nbytes, moved  # every byte moved freed
+        # What the device did not get back stays, free, with the allocator: at most the two pages at the edges
+        # of each part's freed blocks, shared with live tensors (a few percent of this small model's bytes).
+        short = report.nbytes - rose
+        assert short <= report.held_by_allocator and short <= 2 * PAGE * len(report.transfers), f"{moved}, {held}"
         with pytest.raises(SleepError, match="gradient buffers are asleep"):
             training.train_step(iteration)  # refused before it touches a freed buffer
         taken = hand_the_gpu_over()
