@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.drills import drill_runs
+from tests.drills import drill_processes, drill_runs
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="the drill reads processes from /proc")
 
@@ -111,7 +111,7 @@ def test_an_orphan_holding_the_output_pipe_would_hang_a_drill_that_reads_to_its_
     script = tmp_path / "worker.py"
     script.write_text(KILLED_WORKER)
     token = "pipe-test"
-    env = {**os.environ, drill_runs.RUN_TOKEN: token}
+    env = {**os.environ, drill_processes.RUN_TOKEN: token}
     command = [*TORCHRUN, str(script)]
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -121,12 +121,12 @@ def test_an_orphan_holding_the_output_pipe_would_hang_a_drill_that_reads_to_its_
         while process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         assert process.poll() not in (None, 0)  # torchrun saw its worker die and exited
-        orphans = drill_runs.processes_of(token)
-        assert any("multiprocessing" in drill_runs.describe(pid) for pid in orphans)
+        orphans = drill_processes.processes_of(token)
+        assert any("multiprocessing" in drill_processes.describe(pid) for pid in orphans)
         with pytest.raises(subprocess.TimeoutExpired):
             process.communicate(timeout=3)  # subprocess.run(capture_output=True) waited here forever
     finally:
-        drill_runs.kill_run(process.pid, token)
+        drill_processes.kill_run(process.pid, token)
         process.communicate(timeout=30)
 
 
@@ -162,7 +162,7 @@ DRILL = """
 import sys
 from pathlib import Path
 
-from tests.drills import drill_runs
+from tests.drills import drill_processes, drill_runs
 
 drill_runs.exit_on_sigterm()
 drill_runs.run_bounded([sys.executable, "-c", sys.argv[2]], Path(sys.argv[1]), bound_s=120)

@@ -70,7 +70,7 @@ RESUMED = megatron_log({6: "9.991E+00", 7: "1.003003E+01", 8: "9.951E+00", 9: "9
 
 
 def test_a_resume_difference_the_control_shows_too_is_megatron_cores_and_passes() -> None:
-    from tests.gpu import host_memory_drill as drill
+    from tests.gpu import host_memory_megatron as drill
 
     verdict = drill.resume_verdict((REFUSED, RESUMED), (REFUSED, RESUMED))
     assert verdict.failures == [] and verdict.status == "megatron-core's difference"
@@ -81,7 +81,7 @@ def test_a_resume_difference_the_control_shows_too_is_megatron_cores_and_passes(
 
 
 def test_a_resume_difference_without_a_control_or_only_with_offloading_fails() -> None:
-    from tests.gpu import host_memory_drill as drill
+    from tests.gpu import host_memory_megatron as drill
 
     alone = drill.resume_verdict((REFUSED, RESUMED), None)
     assert alone.failures == [

@@ -105,29 +105,29 @@ def test_pretrain_script_explains_missing_megatron_training() -> None:
 
 
 def test_integration_reads_losses_memory_and_offload_figures_from_megatron_logs() -> None:
-    from tests.drills import integration
+    from tests.drills import integration, integration_checks
 
     logs = ROOT / "tests" / "data" / "memory_logs"
-    baseline = integration.parse_log((logs / "baseline.log").read_text())
-    offload = integration.parse_log((logs / "step.log").read_text())
+    baseline = integration_checks.parse_log((logs / "baseline.log").read_text())
+    offload = integration_checks.parse_log((logs / "step.log").read_text())
     assert baseline["losses"] and baseline["losses"] == offload["losses"]
     assert baseline["offloaded_GiB_per_rank"] is None and offload["offloaded_GiB_per_rank"] > 0
     assert offload["max_allocated_MiB"] < baseline["max_allocated_MiB"]
     entry = integration.Entry("nightly-fixture", 1, {"baseline": [], "offload": []})
     results = {"baseline": baseline | {"returncode": 0}, "offload": offload | {"returncode": 0}}
-    assert integration.check(entry, results) == []
-    table = integration.render_table({entry.name: {"gpus": 1, "failures": [], "runs": results}})
+    assert integration_checks.check(entry, results) == []
+    table = integration_checks.render_table({entry.name: {"gpus": 1, "failures": [], "runs": results}})
     assert "nightly-fixture" in table and table.rstrip().endswith("ok")
     # 732,257,280 parameters x 12 bytes = 8.18 GiB, as the offload run's log line says
     assert abs(offload["expected_state_GiB"] - 8.18) < 0.01
     lost = results | {"offload": results["offload"] | {"offloaded_GiB_per_rank": 6.0}}
-    (failure,) = integration.check(entry, lost)
+    (failure,) = integration_checks.check(entry, lost)
     assert failure == "offload: 6.0 GiB offloaded per rank, expected 8.18 (12 B/param)"
     # A capped entry: its offload run gets the baseline's peak less 90% of the state, and must stay under it.
-    cap = integration.cap_from(baseline)
+    cap = integration_checks.cap_from(baseline)
     assert cap == baseline["max_allocated_MiB"] / 1024 - 0.9 * baseline["expected_state_GiB"]
     over = results | {"offload": results["offload"] | {"cap_GiB": cap, "max_reserved_MiB": cap * 1024 + 1}}
-    (failure,) = integration.check(entry, over)
+    (failure,) = integration_checks.check(entry, over)
     assert failure.startswith("offload: peak reserved") and "above the" in failure
 
 
