@@ -1,6 +1,7 @@
 """The processes of a bounded drill run (drill_runs.py), found by the token in their environment: each run
-carries ``RUN_TOKEN`` and every process it starts inherits it, whatever session or group it moves to. Found, described,
-and killed until none is left; what a run left behind after it ended, given time to end, then killed (Linux /proc)."""
+carries ``RUN_TOKEN`` and every process it starts inherits it, also one that leaves the run's process group.
+Found, described and killed until none is left; what a run left behind after it ended, given time to end, then
+killed (Linux /proc)."""
 
 from __future__ import annotations
 
