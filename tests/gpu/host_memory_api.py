@@ -16,13 +16,13 @@ from tests.gpu.host_memory_surface import (
     differing,
     left_behind,
     refuse_pinning,
-    snapshot,
     surface,
-    train,
 )
 from tests.gpu.host_memory_verdicts import one_line
 
 __all__ = ["api_main"]
+
+STEPS = 3  # iterations trained after attach, compared bitwise with no offloading
 
 
 def slab_cases() -> dict[str, dict]:
@@ -58,6 +58,7 @@ def attach_cases(shape: Any, reference: dict[str, Any], cases: list[str]) -> dic
     from megatron_offload.core import host_memory
     from megatron_offload.megatron import optimizer_adapter as megatron_adapter
     from tests.gpu import harness
+    from tests.gpu.parity import snapshot, train
 
     def after_failed_attach(training: Any, before: dict, masters: dict, intact: dict) -> list[str]:
         """Nothing half set up: the surface unchanged, masters untouched, attach again, train bitwise."""
@@ -81,7 +82,7 @@ def attach_cases(shape: Any, reference: dict[str, Any], cases: list[str]) -> dic
         except Exception as error:  # half set up: say so, and train on with what is there
             handle, intact["attach_again"] = None, f"{type(error).__name__}: {error}"
             failures.append(f"attaching again after the failure: {intact['attach_again']}")
-        train(training)
+        train(training, STEPS)
         # A handle the failed attach left behind holds the state offloaded: bring it back to compare.
         leftover = getattr(training.optimizer, getattr(megatron_adapter, "_HANDLE_ATTR", ""), None)
         for attached in {id(h): h for h in (handle, leftover) if h is not None}.values():
@@ -117,7 +118,7 @@ def attach_cases(shape: Any, reference: dict[str, Any], cases: list[str]) -> dic
         if warned and "Measured here" not in message:
             failures.append("the warning does not say what pageable copies cost here")
         intact["pinned"] = handle.read_stats().pinned
-        train(training)
+        train(training, STEPS)
         handle.detach()
         different = differing(reference, snapshot(training))
         intact["bitwise_equal_to_no_offload"] = not different
@@ -161,6 +162,7 @@ def api_main(out_json: Path, cases: list[str]) -> int:
 
     from benchmarks.gpt_training import destroy_distributed, init_distributed
     from tests.gpu import harness
+    from tests.gpu.parity import snapshot, train
 
     init_distributed()
     found = {name: item for name, item in slab_cases().items() if name in cases}
@@ -169,7 +171,7 @@ def api_main(out_json: Path, cases: list[str]) -> int:
             num_layers=4, hidden_size=1024, num_attention_heads=8, ffn_hidden_size=4096, vocab_size=16384
         )
         training = harness.build_gpt_training(shape)
-        train(training)
+        train(training, STEPS)
         reference = snapshot(training)
         del training
         gc.collect()

@@ -1,6 +1,6 @@
 """What the host-memory drills (host_memory_drill.py) read of a training and how they provoke the host: a case run
-and timed, the state compared bitwise, what attaching changes on the optimizer and model, a refused pin, and the
-process's address space capped."""
+and timed, two snapshots compared (``tests/gpu/parity.py`` takes them), what attaching changes on the optimizer and
+model, a refused pin, and the process's address space capped."""
 
 from __future__ import annotations
 
@@ -13,18 +13,13 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "STEPS",
     "address_space_capped",
     "case",
     "differing",
     "left_behind",
     "refuse_pinning",
-    "snapshot",
     "surface",
-    "train",
 ]
-
-STEPS = 3  # API cases: iterations trained after attach, compared bitwise with no offloading
 
 
 def refuse_pinning(data_ptr: int, nbytes: int) -> int:
@@ -64,34 +59,12 @@ def case(function: Callable[[], tuple[list[str], str, dict]]) -> dict[str, Any]:
     }
 
 
-def snapshot(training: Any) -> dict[str, Any]:
-    """Model params, fp32 masters and Adam moments, cloned (the state must be on the GPU: detach first)."""
-    from megatron_offload.megatron.optimizer_adapter import distributed_optimizers
-
-    tensors = {f"model.{name}": p.detach().clone() for name, p in training.model[0].named_parameters()}
-    for o, dist_opt in enumerate(distributed_optimizers(training.optimizer)):
-        for g, group in enumerate(dist_opt.shard_fp32_from_float16_groups):
-            tensors |= {f"opt{o}.master.{g}.{i}": m.detach().clone() for i, m in enumerate(group)}
-        inner = dist_opt.optimizer
-        for g, group in enumerate(inner.param_groups):
-            for i, param in enumerate(group["params"]):
-                for key, value in inner.state.get(param, {}).items():
-                    if hasattr(value, "shape") and value.shape == param.shape:
-                        tensors[f"opt{o}.{g}.{i}.{key}"] = value.detach().clone()
-    return tensors
-
-
 def differing(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
     import torch
 
     if expected.keys() != actual.keys():
         return sorted(expected.keys() ^ actual.keys())
     return [key for key in expected if not torch.equal(expected[key], actual[key])]
-
-
-def train(training: Any, steps: int = STEPS) -> None:
-    for iteration in range(steps):
-        training.train_step(iteration)
 
 
 def surface(training: Any) -> dict[str, Any]:

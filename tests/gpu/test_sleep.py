@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("megatron.core", reason="needs megatron-core installed (scripts/device_check.sh does it)")
 
 from megatron_offload import SleepError, attach_offloader, sleep_wake_for  # noqa: E402
-from megatron_offload.core.gpu_memory import expandable_segments_from_now  # noqa: E402
+from megatron_offload.core.gpu_memory import EXPANDABLE_PAGE_BYTES, expandable_segments_from_now  # noqa: E402
 from megatron_offload.megatron.optimizer_adapter import distributed_optimizers  # noqa: E402
 from tests.gpu.harness import GPTShape, GPTTraining, build_gpt_training, init_distributed, state_bytes  # noqa: E402
 
@@ -35,7 +35,6 @@ LARGE_STATE = GPTShape(num_layers=4, hidden_size=2048, num_attention_heads=16, f
 STEPS = 6
 PAUSES = (2, 4)  # sleep after these iterations: the second reuses the host slabs of the first
 MIB = 1024**2
-PAGE = 20 * MIB  # the allocator's pages with expandable segments (large pool)
 
 # Another process (its own CUDA context and allocator) takes all it can, writes 0xA5 over it, frees it.
 FILL = """
@@ -114,7 +113,8 @@ def test_train_sleep_fill_wake_train_is_bitwise_training_without_the_pause(
         # What the device did not get back stays, free, with the allocator: at most the two pages at the edges
         # of each part's freed blocks, shared with live tensors (a few percent of this small model's bytes).
         short = report.nbytes - rose
-        assert short <= report.held_by_allocator and short <= 2 * PAGE * len(report.transfers), f"{moved}, {held}"
+        edges = 2 * EXPANDABLE_PAGE_BYTES * len(report.transfers)
+        assert short <= report.held_by_allocator and short <= edges, f"{moved}, {held}"
         with pytest.raises(SleepError, match="gradient buffers are asleep"):
             training.train_step(iteration)  # refused before it touches a freed buffer
         taken = hand_the_gpu_over()
