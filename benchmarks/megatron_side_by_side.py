@@ -37,13 +37,14 @@ gets its medians per phase (``phases_ms``), and the sweep's text each cap's diff
 ``--sweep`` (memory_speed_curve.py) runs the memory-speed curve instead of the matrix: caps at the
 no-offload peak reserved less ``--caps`` percents of the state, at the first of ``--log-intervals``: 24
 iterations a run and ms/iter the median of iterations 3-24 at 1, 40 and the lines from iteration 10 at 5;
-``--global-batch 8`` (4 micro-batches of 2) or 32 (16). Runs: one uncapped no
-offload, one uncapped upstream, ours (the default) once per cap (no offload and upstream under a cap follow
-from their uncapped runs). Estimate on one H100, start-up ~25 s (no offload), ~45-50 s (offloading) a run:
-global batch 8, caps 90 75 50 25 without upstream: 5 runs, ~6 min; all five caps with upstream: 7 runs,
-~8 min; global batch 32, caps 90 50: 4 runs, ~5.5 min (at interval 5, 40 iterations a run: more). Each run's JSON
-and plot are written as it ends, so a call cut off still leaves the caps done. When nothing can run (no
-CUDA GPU, no Megatron-LM script at ``--megatron-lm``, no megatron.training) it stops at once, one line.
+``--global-batch 8`` (4 micro-batches of 2) or 32 (16). Runs: one uncapped no offload, one uncapped upstream,
+ours (the default) once per cap, with ``--step-row`` ours with ``--offload-prefetch step`` once uncapped (no
+offload, upstream and step under a cap follow from their uncapped runs). Estimate on one H100, start-up ~25 s
+(no offload), ~45-50 s (offloading) a run: global batch 8, caps 90 75 50 25 without upstream: 5 runs, ~6 min;
+all five caps with upstream: 7 runs, ~8 min; global batch 32, caps 90 50: 4 runs, ~5.5 min (at interval 5, 40
+iterations a run: more). Each run's JSON and plot are written as it ends, so a call cut off still leaves the
+caps done. When nothing can run (no CUDA GPU, no Megatron-LM script at ``--megatron-lm``, no megatron.training)
+it stops at once, one line.
 
     python -m benchmarks.megatron_side_by_side --megatron-lm PATH [--upstream-megatron-lm PATH]
         [--log-intervals 1 5] [--only NAME ...] [--rounds N] [--profile [NAME ...]] [--profile-only]
@@ -181,8 +182,9 @@ def nothing_can_run(args: argparse.Namespace) -> str | None:
 def sweep(args: argparse.Namespace, results: dict[str, Any], clients: dict[str, list[str]], env: dict) -> int:
     """The memory-speed curve (memory_speed_curve.py): curve.json and curve.png under --out; status 1 when
     one of our offload rows did not run or its losses differ from no offload's."""
-    estimate = curve.estimate_s(len(args.caps), (args.global_batch or 8) // 2, "upstream" in clients, args.rounds)
-    runs = args.rounds * (1 + len(curve.OURS) * len(args.caps)) + ("upstream" in clients)
+    upstream = "upstream" in clients
+    estimate = curve.estimate_s(len(args.caps), (args.global_batch or 8) // 2, upstream, args.rounds, args.step_row)
+    runs = args.rounds * (1 + len(curve.OURS) * len(args.caps)) + upstream + args.step_row
     rounds = f", {args.rounds} rounds" if args.rounds > 1 else ""
     print(f"sweep: caps {args.caps}{rounds}, about {estimate / 60:.1f} min ({runs} runs)", flush=True)
     flags = {"ours": OFFLOAD, "upstream": UPSTREAM_OFFLOAD}
@@ -195,8 +197,7 @@ def sweep(args: argparse.Namespace, results: dict[str, Any], clients: dict[str, 
         return 1
     (args.out / "curve.txt").write_text(curve.table(result))
     print(curve.table(result), end="")
-    bad = [f"cap {p['percent']}%: {name}" for p in result["caps"] for name in curve.OURS
-           if p["rows"][name]["outcome"] != "ran" or p["rows"][name].get("losses_equal") is False]  # fmt: skip
+    bad = memory_speed_sweep.failed_rows(result)
     if bad:
         print(f"megatron_side_by_side: {len(bad)} of our runs did not run or differ in losses: {', '.join(bad)}")
     return 1 if bad else 0

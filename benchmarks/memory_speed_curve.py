@@ -45,6 +45,8 @@ DEFAULT_LINK_GBPS = 52.0
 SWEEP_ITERS, MEDIAN_FROM = 24, 3
 NO_OFFLOAD, UPSTREAM_ROW = "no offload", "upstream chunked offload"
 OURS = {"default": []}  # the flags after --offload-optimizer-states of each of our rows
+# --step-row: ours with the whole state off the GPU at the peak, once uncapped (beside upstream's chunked row)
+STEP_ROW, STEP_FLAGS = "prefetch step", ["--offload-prefetch", "step"]
 # Wall-time model of one run (s): start-up, then iterations; the first two iterations ~2 s more.
 STARTUP_S = {"no offload": 25.0, "ours": 50.0, "upstream": 45.0}
 MICRO_BATCH_S, STEP_S, OFFLOAD_EXTRA_S = 0.15, 0.05, 0.3
@@ -95,13 +97,15 @@ def median_ms(figures: dict[str, Any], window: Window = AT_INTERVAL_1) -> float 
     return statistics.median(counted) if counted else None
 
 
-def estimate_s(n_caps: int, micro_batches: int, upstream: bool, rounds: int = 1) -> float:
-    """Expected wall time of a sweep: per round one no-offload run and each of ours once per cap; upstream once."""
+def estimate_s(n_caps: int, micro_batches: int, upstream: bool, rounds: int = 1, step: bool = False) -> float:
+    """Expected wall time of a sweep: per round one no-offload run and each of ours once per cap; upstream once,
+    and ``step`` (``--step-row``) once."""
     iteration = MICRO_BATCH_S * micro_batches + STEP_S
     one = {kind: start + 2 + SWEEP_ITERS * iteration for kind, start in STARTUP_S.items()}
     offload = SWEEP_ITERS * OFFLOAD_EXTRA_S
     ours = len(OURS) * n_caps * (one["ours"] + offload)
-    return rounds * (one["no offload"] + ours) + (one["upstream"] + offload) * upstream
+    once = (one["upstream"] + offload) * upstream + (one["ours"] + offload) * step
+    return rounds * (one["no offload"] + ours) + once
 
 
 def cell(figures: dict[str, Any], base: dict[str, Any] | None, window: Window = AT_INTERVAL_1) -> dict[str, Any]:
@@ -211,6 +215,13 @@ def table(result: dict[str, Any]) -> str:
              f"{pace_text(result['no_offload'])}, "
              f"link {result['link']['GBps']:.1f} GB/s "
              f"({result['link']['source']})"]  # fmt: skip
+    step = result.get("step")
+    if step and step.get("outcome") == "ran":  # --step-row: uncapped, the whole state off the GPU at the peak
+        equal = {True: "losses equal", False: "losses DIFFER", None: ""}[step.get("losses_equal")]
+        lines.append(f"{STEP_ROW}, uncapped: {step['ms_per_iter']:.1f} ms  x{step.get('x_no_offload', 0):.3f}  "
+                     f"peak reserved {step.get('peak_reserved_GiB', 0):.2f} GiB  {equal}{pace_text(step)}")  # fmt: skip
+    elif step:
+        lines.append(f"{STEP_ROW}, uncapped: {step.get('outcome')}: {step.get('reason', '')[:100]}")
     for plan in result["caps"]:
         lines.append(f"cap {plan['percent']}% ({plan['cap_GiB']:.2f} GiB, saves {plan['saved_GiB']:.2f} GiB): "
                      f"floor x{plan['floor_x']:.3f}")  # fmt: skip

@@ -15,6 +15,8 @@ from benchmarks.memory_speed_curve import (
     DEFAULT_LINK_GBPS,
     NO_OFFLOAD,
     OURS,
+    STEP_FLAGS,
+    STEP_ROW,
     UPSTREAM_ROW,
     cap_blind,
     cap_plan,
@@ -77,7 +79,7 @@ def run_sweep(
             if args.state_gib
             else "12 bytes x Megatron's parameter count (no-offload run) / data-parallel size",
         },  # fmt: skip
-        "estimate_s": estimate_s(len(args.caps), micro_batches, "upstream" in clients, args.rounds),
+        "estimate_s": estimate_s(len(args.caps), micro_batches, "upstream" in clients, args.rounds, args.step_row),
     }
     if not state_gib:
         result["error"] = "no parameter count in the no-offload run's log: give --state-gib"
@@ -85,6 +87,7 @@ def run_sweep(
     upstream_run = None
     if "upstream" in clients:
         upstream_run = go("upstream", [*clients["upstream"], *tail, *flags["upstream"]], env)
+    step_run = go("step", [*clients["ours"], *tail, *flags["ours"], *STEP_FLAGS]) if args.step_row else None
     link = base_run.get("link_GBps") or (upstream_run or {}).get("link_GBps")
     copied: list[float] = []  # the link each of our capped runs' copies out measured, GB/s
     runs: dict[str, list[dict[str, Any]]] = {NO_OFFLOAD: [base_run]}  # each row's runs, round after round
@@ -103,14 +106,18 @@ def run_sweep(
         pooled = pooled_cell(runs[NO_OFFLOAD], None, window)["ms_per_iter"]
         base = {"ms_per_iter": pooled, "losses": base_run["losses"]}
         result["no_offload"] = pooled_cell(runs[NO_OFFLOAD], base, window) | {"x_no_offload": 1.0}
+        if step_run is not None:
+            result["step"] = cell(step_run, base, window)
         result["caps"] = []
         for plan in plans:
             cap = plan["cap_GiB"]
             rows = {name: pooled_cell(runs[f"{plan['percent']}:{name}"], base, window) for name in OURS}
-            if upstream_run is not None:
-                rows[UPSTREAM_ROW] = cap_blind(upstream_run, cap, cell(upstream_run, base, window)) or {
-                    "outcome": "not run", "reason": "its uncapped peaks straddle the cap; our cap flag cannot "
-                    "reach upstream's script"}  # fmt: skip
+            for name, once in ((UPSTREAM_ROW, upstream_run), (STEP_ROW, step_run)):  # uncapped runs, cap-blind
+                if once is not None:
+                    rows[name] = cap_blind(once, cap, cell(once, base, window)) or {
+                        "outcome": "not run",
+                        "reason": f"its uncapped peaks straddle the cap; {WHY_UNCAPPED[name]}",
+                    }
             ran = capped_no_offload.get(plan["percent"])
             if ran is None:  # its uncapped run tells
                 rows[NO_OFFLOAD] = cap_blind(base_run, cap, result["no_offload"])
@@ -136,6 +143,17 @@ def run_sweep(
                 ours(plan, f"-round{round_}")
         tabulate(plans)
     return result
+
+
+# Why a row run once uncapped has no run under a cap its uncapped peaks straddle.
+WHY_UNCAPPED = {UPSTREAM_ROW: "our cap flag cannot reach upstream's script", STEP_ROW: "it runs once, uncapped"}
+
+
+def failed_rows(result: dict[str, Any]) -> list[str]:
+    """Our rows that did not run or whose losses differ from no offload's: under each cap, and the step row."""
+    rows = [(f"cap {plan['percent']}%: {name}", plan["rows"][name]) for plan in result["caps"] for name in OURS]
+    rows += [(f"{STEP_ROW}, uncapped", result["step"])] if "step" in result else []
+    return [name for name, row in rows if row["outcome"] != "ran" or row.get("losses_equal") is False]
 
 
 def copy_out_gbps(figures: dict[str, Any]) -> list[float]:

@@ -94,6 +94,11 @@ def parse_args(description: str) -> argparse.Namespace:
     curves.add_argument("--state-gib", type=float, help="the state per rank (default: 12 bytes a parameter)")
     curves.add_argument("--run-every-cell", action="store_true",
                        help="run no offload under every cap, also where its uncapped run tells")  # fmt: skip
+    curves.add_argument(
+        "--step-row",
+        action="store_true",
+        help="also ours with --offload-prefetch step, once, uncapped (under each cap it fits)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "side-by-side")
     parser.add_argument("extra", nargs="*", help="more Megatron flags for every run (after --)")
     args = parser.parse_args()
