@@ -47,6 +47,7 @@ NO_OFFLOAD, UPSTREAM_ROW = "no offload", "upstream chunked offload"
 OURS = {"default": []}  # the flags after --offload-optimizer-states of each of our rows
 # --step-row: ours with the whole state off the GPU at the peak, once uncapped (beside upstream's chunked row)
 STEP_ROW, STEP_FLAGS = "prefetch step", ["--offload-prefetch", "step"]
+LOSSES = {True: "losses equal", False: "losses DIFFER", None: ""}  # a row's losses_equal, in its line
 # Wall-time model of one run (s): start-up, then iterations; the first two iterations ~2 s more.
 STARTUP_S = {"no offload": 25.0, "ours": 50.0, "upstream": 45.0}
 MICRO_BATCH_S, STEP_S, OFFLOAD_EXTRA_S = 0.15, 0.05, 0.3
@@ -217,9 +218,9 @@ def table(result: dict[str, Any]) -> str:
              f"({result['link']['source']})"]  # fmt: skip
     step = result.get("step")
     if step and step.get("outcome") == "ran":  # --step-row: uncapped, the whole state off the GPU at the peak
-        equal = {True: "losses equal", False: "losses DIFFER", None: ""}[step.get("losses_equal")]
         lines.append(f"{STEP_ROW}, uncapped: {step['ms_per_iter']:.1f} ms  x{step.get('x_no_offload', 0):.3f}  "
-                     f"peak reserved {step.get('peak_reserved_GiB', 0):.2f} GiB  {equal}{pace_text(step)}")  # fmt: skip
+                     f"peak reserved {step.get('peak_reserved_GiB', 0):.2f} GiB  "
+                     f"{LOSSES[step.get('losses_equal')]}{pace_text(step)}")  # fmt: skip
     elif step:
         lines.append(f"{STEP_ROW}, uncapped: {step.get('outcome')}: {step.get('reason', '')[:100]}")
     for plan in result["caps"]:
@@ -229,7 +230,7 @@ def table(result: dict[str, Any]) -> str:
             if row["outcome"] != "ran":
                 lines.append(f"  {name:26} {row['outcome']}: {row.get('reason', '')[:100]}")
                 continue
-            equal = {True: "losses equal", False: "losses DIFFER", None: ""}[row.get("losses_equal")]
+            equal = LOSSES[row.get("losses_equal")]
             spread = row.get("ms_quartiles")
             lines.append(f"  {name:26} {row['ms_per_iter']:8.1f} ms  x{row.get('x_no_offload', 0):.3f}  "
                          + (f"({row['x_floor']:.3f}x its floor)  " if row.get("x_floor") else "")

@@ -30,6 +30,9 @@ from benchmarks.memory_speed_curve import (
 )
 from benchmarks.side_by_side_rounds import in_turn
 
+# Why a row run once uncapped has no run under a cap its uncapped peaks straddle.
+WHY_UNCAPPED = {UPSTREAM_ROW: "our cap flag cannot reach upstream's script", STEP_ROW: "it runs once, uncapped"}
+
 
 def run_sweep(
     args: Any,
@@ -143,10 +146,6 @@ def run_sweep(
                 ours(plan, f"-round{round_}")
         tabulate(plans)
     return result
-
-
-# Why a row run once uncapped has no run under a cap its uncapped peaks straddle.
-WHY_UNCAPPED = {UPSTREAM_ROW: "our cap flag cannot reach upstream's script", STEP_ROW: "it runs once, uncapped"}
 
 
 def failed_rows(result: dict[str, Any]) -> list[str]:
