@@ -10,12 +10,16 @@ import pytest
 
 from benchmarks import megatron_job as job
 from benchmarks import megatron_side_by_side as side
+from benchmarks import memory_speed_curve as curve
 
-__all__ = ["GIB", "PARAMETERS", "STATE_GIB", "run_sweep", "sweep_run"]
+__all__ = ["GIB", "OUR_RUN_S", "PARAMETERS", "STATE_GIB", "run_sweep", "sweep_run"]
 
 GIB = 1024**3
 PARAMETERS = 955_000_000  # configs/gpt_0p9b.yaml: 12 bytes each, 10.67 GiB of state
 STATE_GIB = 12 * PARAMETERS / GIB
+# The estimate's wall time of one of our runs at 4 micro-batches: start-up, 2 s, each iteration's micro-batches,
+# step and offloading's extra (memory_speed_curve.estimate_s's model)
+OUR_RUN_S = curve.STARTUP_S["ours"] + 2 + curve.SWEEP_ITERS * (0.15 * 4 + 0.05 + 0.3)
 
 
 def sweep_run(fits: float = 16.5, fraction_ms: float = 700.0, copy_out_ms: dict[str, float] | None = None):

@@ -10,9 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import memory_speed_curve as curve
-from tests.sweep_helpers import GIB, STATE_GIB, run_sweep, sweep_run
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.sweep_helpers import GIB, OUR_RUN_S, STATE_GIB, run_sweep, sweep_run
 
 
 def test_caps_are_the_no_offload_peak_reserved_less_a_share_of_the_state() -> None:
@@ -30,8 +28,7 @@ def test_the_floor() -> None:
 
 def test_the_estimate_counts_one_no_offload_run_ours_once_per_cap_and_upstream_once() -> None:
     two, five = curve.estimate_s(2, 4, True), curve.estimate_s(5, 4, True)
-    one_run = curve.STARTUP_S["ours"] + 2 + curve.SWEEP_ITERS * (0.15 * 4 + 0.05 + 0.3)
-    assert five - two == pytest.approx(3 * len(curve.OURS) * one_run)
+    assert five - two == pytest.approx(3 * len(curve.OURS) * OUR_RUN_S)
     assert two < 9 * 60 and curve.estimate_s(2, 16, True) < 9 * 60
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import memory_speed_curve as curve
-from tests.sweep_helpers import run_sweep, sweep_run
+from tests.sweep_helpers import OUR_RUN_S, run_sweep, sweep_run
 
 
 def step_flags(argv: list[str]) -> bool:
@@ -17,10 +17,9 @@ def step_flags(argv: list[str]) -> bool:
 
 
 def test_the_estimate_counts_the_step_row_once_as_one_of_ours() -> None:
-    one_run = curve.STARTUP_S["ours"] + 2 + curve.SWEEP_ITERS * (0.15 * 4 + 0.05 + 0.3)
     for rounds in (1, 3):
         with_step = curve.estimate_s(4, 4, True, rounds, step=True)
-        assert with_step - curve.estimate_s(4, 4, True, rounds) == pytest.approx(one_run)
+        assert with_step - curve.estimate_s(4, 4, True, rounds) == pytest.approx(OUR_RUN_S)
 
 
 def test_the_step_row_runs_once_uncapped_and_stands_under_each_cap_it_fits(
