@@ -28,8 +28,9 @@ def test_stolen_time_is_the_first_lines_eighth_value_in_milliseconds(tmp_path: P
 
 def test_each_step_says_what_the_last_backward_brought_back_and_what_bounded_it(monkeypatch) -> None:
     """One last backward an iteration brings back all 8 GiB moving until the allocator retried twice in each of
-    two of them: from then on it is limited to the 1 GiB the step leaves to the forward, and the lines say so,
-    with the bytes started back as each backward ended."""
+    two of them: from then on it is limited to what coming back early is worth (``BACK_EARLY_OVER_LEFT`` times the
+    1 GiB the step leaves to the forward), and the lines say so, with the bytes started back as each backward
+    ended."""
     # Restored after the test: note_bring_back replaces them for the rest of a process.
     monkeypatch.setattr(backward_prefetch.PrefetchDuringBackward, "new_iteration",
                         backward_prefetch.PrefetchDuringBackward.new_iteration)  # fmt: skip
@@ -58,10 +59,11 @@ def test_each_step_says_what_the_last_backward_brought_back_and_what_bounded_it(
     iteration(retried=2)
     assert "hooks 8192," in said[-1] and said[-1].endswith("limited True, stopped False, learned True")
     iteration()
-    assert "hooks 1024," in said[-1] and "worth 1024;" in said[-1]
+    worth = int(1024 * backward_prefetch.BACK_EARLY_OVER_LEFT)  # MiB, whole chunks of 512 here
+    assert worth % 512 == 0 and f"hooks {worth}," in said[-1] and f"worth {worth};" in said[-1]
     summary = phase_probes.bring_back_summary("\n".join(said), skip=2)
     assert summary == (
-        "back during the last backward 4608 MiB, as it ended 3072 MiB (medians of 2 iterations); "
+        f"back during the last backward {(8192 + worth) // 2} MiB, as it ended 3072 MiB (medians of 2 iterations); "
         "limited in 2, stopped in 0"
     )
     assert phase_probes.bring_back_summary("no such lines") == ""

@@ -14,7 +14,7 @@ from megatron_offload.core.gpu_memory import allocated_bytes, allocation_counter
 from megatron_offload.core.units import MIB
 from megatron_offload.megatron.pacing import Handle, sampled
 
-__all__ = ["PrefetchDuringBackward", "growth_ahead"]
+__all__ = ["BACK_EARLY_OVER_LEFT", "PrefetchDuringBackward", "growth_ahead"]
 
 # Least room kept free beyond what the rest of the backward adds (see growth_ahead): the allocator rounds each
 # request up, and state comes back in pieces of at most --offload-chunk-mb.
@@ -24,6 +24,13 @@ PACING_MIN_MARGIN_BYTES = 64 * MIB
 # step's copies in beside its copies out. RETRYING_BACKWARDS in a row stop it: a single spike does not.
 RETRIES_TOLERATED = 1
 RETRYING_BACKWARDS = 2
+# What coming back in the last backward is worth, over the bytes the step leaves the next forward to carry out: the
+# step's way out waits for its first update and stands still between updates while its way in runs from the backward's
+# end, so the way in must carry less for the two to end together. Under caps forcing 75% and 90% of
+# configs/gpt_0p9b.yaml's state off (one H200), with half the next forward's share back the way in carried state for
+# 4-30 ms of that backward and the step waited for copies in; with 1.5 times the whole share, 53-55 ms, and the first
+# forward, that backward and the step ran 21-30 ms shorter together.
+BACK_EARLY_OVER_LEFT = 1.5
 
 
 class PrefetchDuringBackward:
@@ -42,12 +49,13 @@ class PrefetchDuringBackward:
     What does not come back early starts back once backward is done (``finalize_prefetch.bring_back_for_step``)
     or streams in the step, its copies in beside the step's copies out (the link carries both directions at
     once), so only the copies in beyond the step's copies out lengthen it: the bytes the step leaves to the
-    next forward (``handle.left_to_forward()``). Bringing more back early is worth it only
-    while it is free. Near the limit it is not: memory freed by backward is cached in blocks our chunks may
-    not fit, so the caching allocator runs out of room and retries, and each retry synchronizes the device
-    and unmaps its cache in the middle of the backward. Once ``RETRYING_BACKWARDS`` last backwards in a row
+    next forward (``handle.left_to_forward()``) and what its way out loses waiting for updates
+    (``BACK_EARLY_OVER_LEFT``). Bringing more back early is worth it only while it is free. Near the limit
+    it is not: memory freed by backward is cached in blocks our chunks may not fit, so the caching allocator
+    runs out of room and retries, and each retry synchronizes the device and unmaps its cache in the middle
+    of the backward. Once ``RETRYING_BACKWARDS`` last backwards in a row
     brought state back and saw more than ``RETRIES_TOLERATED`` retries each, later ones bring back at most
-    what the step leaves to the forward (``limited``; those bytes are read at each iteration's start, 0 until
+    what coming back early is worth (``limited``; those bytes are read at each iteration's start, 0 until
     the first forward and the copies out were timed).
     NOTE: the last backward is counted, not read from DDP's ``is_last_microbatch``: Megatron-LM installs
     ``no_sync`` only with --overlap-grad-reduce, so without it that flag is always set.
@@ -68,8 +76,8 @@ class PrefetchDuringBackward:
         self.sampled = False  # the last backward was reached (its allocator retries read)
         self.moving = 0  # bytes that leave the GPU between steps (none: nothing comes back, the hooks only pump)
         self.smallest = 0  # the smallest chunk among them: less room than this brings nothing back
-        self.limited = False  # retries were seen: bring back at most what the step leaves to the forward
-        self.worth = 0  # bytes coming back early is worth: what the step leaves to the forward (new_iteration)
+        self.limited = False  # retries were seen: bring back at most what coming back early is worth
+        self.worth = 0  # bytes coming back early is worth (BACK_EARLY_OVER_LEFT, set in new_iteration)
         self.retries_before: int | None = None  # the allocator's retries as this last backward was first read
         self.retrying = 0  # last backwards in a row that brought state back and made the allocator retry
         self.stopped = False  # nothing more comes back in this last backward: a retry, or no room the allocator can map
@@ -138,7 +146,7 @@ class PrefetchDuringBackward:
     def step_bound(self) -> int | None:
         """Most bytes that may still come back before the step (None until the step was learned): at its start
         the step holds what it holds without state, its own buffers, all kept state (back already, or newly
-        kept and coming back then) and what came back early; limited, at most what it leaves to the forward."""
+        kept and coming back then) and what came back early; limited, at most what coming back early is worth."""
         if self.at_step is None:
             return None
         handle = self.handle
@@ -184,7 +192,7 @@ class PrefetchDuringBackward:
         self.readings = []
         self.step_started, self.retries_before, self.stopped = False, None, False
         self.step_extra = self.handle.step_footprint()
-        self.worth = self.handle.left_to_forward()
+        self.worth = int(self.handle.left_to_forward() * BACK_EARLY_OVER_LEFT)
         sizes = self.handle.moving_chunks()
         self.moving, self.smallest = sum(sizes), max(1, min(sizes, default=0))
 

@@ -129,9 +129,9 @@ class OffloadHandle:
 
     def left_to_forward(self) -> int:
         """Bytes of the early chunks' copies out the steps leave for the next forward's hooks (why: share_out.py), all
-        offloaders together: what the link carries in half the first forward (its activations grow from its start)."""
+        offloaders together: what the link carries out while the first forward computes (its hooks pace them)."""
         ms = self._room.first_forward_ms if self._room is not None else None
-        return int(self.link_out() * ms / 1000 / 2) if ms else 0
+        return int(self.link_out() * ms / 1000) if ms else 0
 
     def link_out(self) -> float:
         """Bytes per second the copies out reached, all offloaders together (at most the link's); 0 until timed."""

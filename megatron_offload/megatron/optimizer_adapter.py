@@ -96,9 +96,7 @@ def attach_offloader(optimizer: Any, config: OffloadConfig | None = None, **over
                     handle.wrappers.wrap(dist_opt, name, lambda inner, o=offloader, r=loads: _after_wait(inner, o, r))
             handle.wrappers.wrap(dist_opt, "sharded_state_dict", lambda inner, o=offloader: _save_from_host(inner, o))
             if handle.streamed:
-                streamed = _StreamedStep(
-                    dist_opt, offloader, handle._on_step_start, handle.forward_hides, handle.link_out
-                )
+                streamed = _StreamedStep(dist_opt, offloader, handle._on_step_start, handle.forward_hides)
                 handle.streamed_steps.append(streamed)
                 handle.wrappers.wrap(dist_opt.optimizer, "step", lambda _inner, s=streamed: s.step)
                 copy_name = "_copy_main_params_to_model_params"

@@ -19,7 +19,6 @@ import torch
 from megatron_offload.optimizer_state import streamed_step
 from megatron_offload.optimizer_state.chunk_step import ChunkStepper
 from megatron_offload.optimizer_state.offloader import OptimizerStateOffloader
-from megatron_offload.optimizer_state.share_out import StepWindow
 from megatron_offload.optimizer_state.staging_ring import Staging
 
 __all__ = ["STEP_RANGE", "streamed_step_of"]
@@ -66,13 +65,11 @@ class _StreamedStep:
         offloader: OptimizerStateOffloader,
         on_start: Callable[[], None],
         forward_hides: Callable[[], int],
-        link_out: Callable[[], float],
     ) -> None:
         self.dist_opt = dist_opt
         self.offloader = offloader
         self.on_start = on_start
         self.forward_hides = forward_hides  # OffloadHandle.forward_hides, read at each step
-        self.window = StepWindow(offloader.streams, link_out)  # learned at each step, bounds the next's copies out
         self.stepper = ChunkStepper(dist_opt.optimizer)
         self.copy_all = dist_opt._copy_main_params_to_model_params
         self.copied = False
@@ -102,7 +99,6 @@ class _StreamedStep:
                     self.copy_chunk_to_model,
                     self.stage,
                     forward_hides=hides,
-                    window=self.window,
                     staging=self.staging,
                 )
         finally:

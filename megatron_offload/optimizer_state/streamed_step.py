@@ -24,7 +24,7 @@ from megatron_offload.core.units import MIB
 from megatron_offload.optimizer_state import plan as planning
 from megatron_offload.optimizer_state.chunk_step import ChunkStepper
 from megatron_offload.optimizer_state.plan import Chunk
-from megatron_offload.optimizer_state.share_out import ShareOut, StepWindow
+from megatron_offload.optimizer_state.share_out import ShareOut
 from megatron_offload.optimizer_state.staged_params import STAGED_BUFFERS, staged_bytes
 from megatron_offload.optimizer_state.staging_ring import Staging
 
@@ -133,7 +133,6 @@ def run(
     after_chunk: AfterChunk | None = None,
     stage: Stage | None = None,
     forward_hides: int = 0,
-    window: StepWindow | None = None,
     staging: Staging | None = None,
 ) -> None:
     """Run the optimizer step chunk by chunk and leave the state leaving (kept chunks on the GPU).
@@ -142,7 +141,6 @@ def run(
     moments, at its first step) joins its chunk and leaves with it. Falls back to one whole step when
     the plan does not match the state (after a load replaced tensors). ``stage``: see the NOTE above.
     ``forward_hides``: bytes of the ready chunks' copies out left queued for the next forward (``ShareOut``);
-    ``window``: the step's time beside its ready chunks' copies out, learned here, bounding those started in it;
     ``staging``: what ``begin_staging`` started as the optimizer's step began (made here otherwise)."""
     off.copies.pump()  # a failed copy is named here, before anything is updated
     off.device_view.check_gradients()
@@ -211,7 +209,7 @@ def run(
         moving = sum(chunk.nbytes for chunk in ready if not chunk.kept)
         coming = max(0, off.copies.pending_bytes(PREFETCH) - staging.queued_behind_first())
         streamed_bytes = sum(chunk.nbytes for chunk in streamed)
-        beside = ShareOut(off.copies, moving, coming, streamed_bytes, forward_hides, window)
+        beside = ShareOut(off.copies, moving, coming, streamed_bytes, forward_hides)
         for group in ready_groups:
             update(group)
             for chunk in group:
@@ -227,11 +225,7 @@ def run(
                 # on the host, once, wait for the oldest to land, so that step holds a few chunks too.
                 off.copies.drain(excess)
             staging.left(out.done if out is not None else None)
-        if window is not None:
-            window.close()
     finally:
-        if window is not None:
-            window.abandon()  # a window still open here is a failed step's
         off.queue_out()  # whatever is still here and not kept leaves, never half-way (the plan was checked above)
         off.count_step()
         off.copies.pump()

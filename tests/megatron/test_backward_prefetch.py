@@ -167,13 +167,14 @@ class Retrying(BackwardLedger):
     [([2, 2], True, True), ([1, 1], True, False), ([2, 0, 2], True, False), ([5, 5], False, False)],
     ids=["retried-twice-in-a-row", "one-retry-tolerated", "spikes-apart", "retried-with-nothing-brought"],
 )
-def test_retries_while_state_comes_back_limit_later_backwards_to_what_the_step_leaves_the_forward(
+def test_retries_while_state_comes_back_limit_later_backwards_to_what_coming_back_early_is_worth(
     monkeypatch, retries: list[int], brings_back: bool, limited: bool
 ) -> None:
     """More than one allocator retry in each of two last backwards in a row that brought state back: from
-    then on the last backward brings back at most the bytes the step leaves to the next forward (the rest
-    comes in the step, beside its copies out), as they are at each iteration. One retry a backward, spikes
-    apart, or retries with nothing brought back change nothing."""
+    then on the last backward brings back at most what coming back early is worth: ``BACK_EARLY_OVER_LEFT``
+    times the bytes the step leaves to the next forward (the rest comes in the step, beside its copies out), as
+    they are at each iteration. One retry a backward, spikes apart, or retries with nothing brought back change
+    nothing."""
     Memory(2 * GIB).install(monkeypatch)  # its readings count RETRIES
     ledger = Retrying()
     if not brings_back:
@@ -195,11 +196,16 @@ def test_retries_while_state_comes_back_limit_later_backwards_to_what_the_step_l
     everything = 8 * GIB if brings_back else 0
     assert [iteration(at_step=5) for _ in range(2)] == [everything] * 2 and not hooks.limited
     assert [iteration(retried=count) for count in retries] == [everything] * len(retries)  # room for all of it
-    expected = GIB if limited else everything
+
+    def worth(left: int) -> int:  # what the limited backward brings back, in whole chunks of half a GiB here
+        return int(left * backward_prefetch.BACK_EARLY_OVER_LEFT) // (GIB // 2) * (GIB // 2)
+
+    expected = worth(GIB) if limited else everything
+    assert GIB < worth(GIB) < everything or not brings_back  # above what the step leaves to the forward
     assert [iteration() for _ in range(2)] == [expected] * 2
     ledger.left = 3 * GIB  # what the step leaves to the forward, as timed again: read at each iteration
     iteration()
-    assert iteration() == (3 * GIB if limited else everything)
+    assert iteration() == (worth(3 * GIB) if limited else everything)
     assert hooks.limited is limited
 
 

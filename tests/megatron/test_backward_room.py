@@ -55,13 +55,14 @@ def test_a_retry_in_the_last_backward_stops_what_comes_back_in_it(
 
 
 @pytest.mark.parametrize("left", [0, 4 * GIB], ids=["step-leaves-nothing", "step-leaves-4-GiB"])
-def test_beyond_what_the_step_leaves_the_forward_only_memory_the_allocator_can_still_map_comes_back(
+def test_beyond_what_coming_back_early_is_worth_only_memory_the_allocator_can_still_map_comes_back(
     monkeypatch: pytest.MonkeyPatch, left: int
 ) -> None:
     """Backward freed 11 GiB between two hooks of the last backward, but the allocator keeps 18 of its 20 GiB
     mapped (in blocks of backward's sizes): what comes back at the second hook is at most what it can still map
-    beside them, or what the step leaves to the next forward where that is more. Once the freed memory is
-    unmapped (reserved follows allocated), the room backward freed comes back."""
+    beside them, or what coming back early is worth where that is more (``BACK_EARLY_OVER_LEFT`` times what the
+    step leaves to the next forward). Once the freed memory is unmapped (reserved follows allocated), the room
+    backward freed comes back."""
     memory = Memory(17 * GIB).install(monkeypatch)
     mapped = {"bytes": 0}
     reading = lambda: Reading(memory.now, max(memory.now, mapped["bytes"]), 0)  # noqa: E731
@@ -94,9 +95,10 @@ def test_beyond_what_the_step_leaves_the_forward_only_memory_the_allocator_can_s
     spare = ledger.scheduler.spare(18 * GIB) - backward_prefetch.PACING_MIN_MARGIN_BYTES
     first_ask, second_ask = last_backward(18 * GIB)
     brought = min(first_ask // (GIB // 2) * (GIB // 2), 8 * GIB)
-    assert second_ask == max(spare, left - brought)
+    worth = int(left * backward_prefetch.BACK_EARLY_OVER_LEFT)
+    assert second_ask == max(spare, worth - brought) and (worth - brought > spare) == bool(left)
     _, unmapped_ask = last_backward(6 * GIB)
-    assert unmapped_ask > 4 * GIB > second_ask
+    assert unmapped_ask > 4 * GIB >= second_ask
 
 
 @pytest.mark.parametrize("left", [0, 4 * GIB], ids=["step-leaves-nothing", "step-leaves-4-GiB"])

@@ -164,7 +164,7 @@ def test_the_decision_waits_for_the_first_step_that_streams_the_whole_state(
     assert 0 < handle.kept_bytes() == handle.scheduler.kept_total <= state // 3
 
 
-def test_the_step_leaves_the_next_forward_what_the_link_carries_in_half_its_first_forward(offloaders) -> None:
+def test_the_step_leaves_the_next_forward_what_the_link_carries_in_its_first_forward(offloaders) -> None:
     handle = OffloadHandle(object(), OffloadConfig())
     handle.offloaders = offloaders
     handle._room = room = RoomForForward(handle, [torch.nn.Linear(2, 2)])
@@ -173,7 +173,7 @@ def test_the_step_leaves_the_next_forward_what_the_link_carries_in_half_its_firs
     assert handle.forward_hides() == 0  # no forward timed yet: every copy out starts within the step
     room.first_forward_ms = 50.0
     link = 40 * GIB / 1.0  # both offloaders' bytes over their copies' time
-    assert handle.forward_hides() == int(link * 0.050 / 2) // 2  # half the forward, shared by the two
+    assert handle.forward_hides() == int(link * 0.050) // 2  # the whole forward's, shared by the two
     for offloader in offloaders:
         offloader.stats.offload_seconds = 0.0
     assert handle.forward_hides() == 0  # no copy out timed yet
