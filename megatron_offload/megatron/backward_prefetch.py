@@ -53,10 +53,10 @@ class PrefetchDuringBackward:
     (``BACK_EARLY_OVER_LEFT``). Bringing more back early is worth it only while it is free. Near the limit
     it is not: memory freed by backward is cached in blocks our chunks may not fit, so the caching allocator
     runs out of room and retries, and each retry synchronizes the device and unmaps its cache in the middle
-    of the backward. Once ``RETRYING_BACKWARDS`` last backwards in a row
-    brought state back and saw more than ``RETRIES_TOLERATED`` retries each, later ones bring back at most
-    what coming back early is worth (``limited``; those bytes are read at each iteration's start, 0 until
-    the first forward and the copies out were timed).
+    of the backward. Once ``RETRYING_BACKWARDS`` last backwards in a row brought state back and saw more than
+    ``RETRIES_TOLERATED`` retries each, later ones bring back at most what coming back early is worth
+    (``limited``; those bytes are read at each iteration's start, 0 until the first forward and the copies
+    out were timed).
     NOTE: the last backward is counted, not read from DDP's ``is_last_microbatch``: Megatron-LM installs
     ``no_sync`` only with --overlap-grad-reduce, so without it that flag is always set.
     """
