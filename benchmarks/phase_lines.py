@@ -1,13 +1,14 @@
 """The lines benchmarks/phases.py prints, and reading them back: each iteration's GPU and host milliseconds per
 phase, the allocator's and the host's counters per phase, their medians or means over a log, and a table of
 runs side by side (the sweep's text uses it too); and the one host reading of an allocator line that is not a
-clock call (the main thread's runqueue time, the machine's stolen time)."""
+clock call (the main thread's runqueue time, the machine's stolen time, its kernel time and page faults)."""
 
 from __future__ import annotations
 
 import itertools
 import os
 import re
+import resource
 import statistics
 from pathlib import Path
 from typing import Any, Protocol
@@ -20,10 +21,12 @@ ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free"
 # The fields of an allocator line. The main thread's CPU time beside its host ms tells a busy thread from one that
 # waited; its runqueue time, a wait for a core from a wait for the GIL or the driver; the other threads' CPU time
 # whether any of them ran then; the time the hypervisor ran other guests on this machine's cores (all of them
-# together), whether the host was slow because it was not ours.
+# together), whether the host was slow because it was not ours; of the main thread's CPU time, the kernel's share, its
+# page faults and the times the kernel took its core away: whether a slow phase ran Python or waited in the kernel.
 COUNTED = (
     "retries", "maps", "unmaps", "gc ms", "hooks ms", "main thread cpu ms", "other threads cpu ms",
-    "main thread runqueue ms", "stolen ms",
+    "main thread runqueue ms", "stolen ms", "main thread kernel ms", "main thread page faults",
+    "main thread involuntary switches",
 )  # fmt: skip
 ALLOCATOR_PREFIX = f"{ALLOCATOR_LINE} ({'/'.join(COUNTED)}):"
 SKIPPED_LINES = 3  # the first iterations: the offloader learns, Megatron compiles
@@ -143,3 +146,13 @@ def stolen_ms(stat: Path = Path("/proc/stat")) -> float:
     except (OSError, IndexError, ValueError):
         return 0.0
     return ticks * 1e3 / os.sysconf("SC_CLK_TCK")
+
+
+def thread_usage() -> tuple[float, int, int]:
+    """The calling thread's kernel CPU ms, page faults (minor and major) and involuntary context switches since it
+    began (``getrusage(RUSAGE_THREAD)``, Linux); zeros where the kernel has no per-thread usage."""
+    who = getattr(resource, "RUSAGE_THREAD", None)
+    if who is None:
+        return 0.0, 0, 0
+    usage = resource.getrusage(who)
+    return usage.ru_stime * 1e3, usage.ru_minflt + usage.ru_majflt, usage.ru_nivcsw

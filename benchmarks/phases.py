@@ -219,7 +219,7 @@ def main(argv: list[str]) -> int:
         main_cpu, all_cpu = time.thread_time() * 1e3, time.process_time() * 1e3
         stood, stolen = phase_lines.runqueue_ms(), phase_lines.stolen_ms()
         hosts = (host_ms["gc"], host_ms["hooks"], main_cpu, all_cpu - main_cpu, stood, stolen)
-        return (*allocator, *(round(ms, 2) for ms in hosts))
+        return (*allocator, *(round(ms, 2) for ms in (*hosts, *phase_lines.thread_usage())))
 
     def first_iteration() -> None:
         # Not before: attaching starts the allocator, which reads its settings (expandable segments) once.

@@ -23,7 +23,15 @@ def test_stolen_time_is_the_first_lines_eighth_value_in_milliseconds(tmp_path: P
     stat.write_text("cpu  100 0 50 1000\n")  # a kernel that counts no stolen time
     assert phase_lines.stolen_ms(stat) == 0.0
     assert phase_lines.stolen_ms(tmp_path / "missing") == 0.0
-    assert phase_lines.COUNTED[-1] == "stolen ms"  # the allocator line's last field
+    assert phase_lines.COUNTED[8] == "stolen ms"  # read by position in the allocator line
+
+
+def test_the_threads_usage_is_its_own_and_grows_with_its_page_faults() -> None:
+    before = phase_lines.thread_usage()
+    pages = bytearray(64 << 20)  # 64 MiB of new pages, each touched once by this thread
+    pages[:: os.sysconf("SC_PAGE_SIZE")] = b"x" * len(range(0, len(pages), os.sysconf("SC_PAGE_SIZE")))
+    after = phase_lines.thread_usage()
+    assert after[1] > before[1] and after[0] >= before[0] and after[2] >= before[2]
 
 
 def test_each_step_says_what_the_last_backward_brought_back_and_what_bounded_it(monkeypatch) -> None:
