@@ -25,8 +25,8 @@ completed, read without waiting; the rest at exit.
                                                      unmapped device memory, the host's ms in Python's
                                                      garbage collector and in this project's hooks, the CPU ms
                                                      of the main thread and of all others, the main thread's
-                                                     ms runnable without a CPU, kernel ms, page faults and
-                                                     involuntary switches, and the machine's stolen ms: a line
+                                                     ms runnable without a CPU, kernel ms, page faults, involuntary
+                                                     switches and the machine's stolen ms, on a second line
     python -m benchmarks.phases --link SCRIPT [ARGS...]
                                                      also, at exit, per phase of each iteration, the ms the host
                                                      link carried optimizer state each way and the compute stream

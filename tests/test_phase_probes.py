@@ -28,8 +28,9 @@ def test_stolen_time_is_the_first_lines_eighth_value_in_milliseconds(tmp_path: P
 
 def test_the_threads_usage_is_its_own_and_grows_with_its_page_faults() -> None:
     before = phase_lines.thread_usage()
-    pages = bytearray(64 << 20)  # 64 MiB of new pages, each touched once by this thread
-    pages[:: os.sysconf("SC_PAGE_SIZE")] = b"x" * len(range(0, len(pages), os.sysconf("SC_PAGE_SIZE")))
+    step = os.sysconf("SC_PAGE_SIZE")
+    pages = bytearray(64 << 20)  # 64 MiB of new pages, each written once by this thread
+    pages[::step] = b"x" * (len(pages) // step)
     after = phase_lines.thread_usage()
     assert after[1] > before[1] and after[0] >= before[0] and after[2] >= before[2]
 
