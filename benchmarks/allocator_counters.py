@@ -29,13 +29,14 @@ COUNTERS = (
 
 
 def counters() -> dict[str, int | None] | None:
-    """The counters of this process's current CUDA device; None without a CUDA GPU."""
+    """The counters of this process's current CUDA device (0 where the allocator never ran: it has no statistics
+    until its first allocation); None without a CUDA GPU."""
     import torch
 
     if not torch.cuda.is_available():
         return None
     stats = torch.cuda.memory_stats()
-    return {name: stats.get(name) for name in COUNTERS}
+    return {name: stats.get(name, 0) for name in COUNTERS}
 
 
 def main(argv: list[str]) -> None:

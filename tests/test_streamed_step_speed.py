@@ -26,6 +26,7 @@ def test_the_shapes_hold_megatron_cores_parameter_count(config: str, parameters:
     assert count == parameters
 
 
-def test_without_a_gpu_it_says_so_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+def test_without_a_gpu_it_says_so_in_one_line(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    monkeypatch.setattr(streamed_step_speed.torch.cuda, "is_available", lambda: False)  # as on a machine without
     assert streamed_step_speed.main([]) == 2
     assert "no CUDA GPU" in capsys.readouterr().err

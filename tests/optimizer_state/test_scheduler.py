@@ -21,6 +21,16 @@ from megatron_offload.optimizer_state.scheduler import (
 STATE = [[256 * MIB] * 24, [64 * MIB] * 40 + [300 * MIB]]  # two offloaders' chunks: 6 + 2.79 GiB
 
 
+@pytest.fixture(autouse=True)
+def no_mapped_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No device-mapped host memory in the readings unless a test says so: on a GPU machine, weight streaming's
+    tests earlier in the same process may leave theirs, which the log lines would take off."""
+    from megatron_offload.core import gpu_memory
+
+    monkeypatch.setattr(gpu_memory, "mapped_bytes", lambda: 0)
+    monkeypatch.setattr(gpu_memory, "mapped_allocated_bytes", lambda: 0)
+
+
 def scheduler(limit_gib: float) -> StateScheduler:
     return StateScheduler(lambda: int(limit_gib * GIB))
 
