@@ -85,10 +85,6 @@ class PrefetchDuringBackward:
         self.first_param: int | None = None  # id of the param whose gradient is ready first in a backward
         self.backwards = 0  # backwards begun in this iteration
         self.backwards_per_iteration: int | None = None
-        # Read once per backward, not at each of its hooks (host time the GPU waits for where the loop is
-        # host-bound): whether it is the last micro-batch's, and step_bound's part that no hook changes.
-        self.last: bool | None = None
-        self.bound_base: int | None = None
         params = list({id(p): p for chunk in model_chunks for p in chunk.parameters() if p.requires_grad}.values())
         self.hooks = [param.register_post_accumulate_grad_hook(self.on_grad_ready) for param in sampled(params)]
         self.on_gpu = torch.cuda.is_available()
@@ -100,16 +96,13 @@ class PrefetchDuringBackward:
             self.first_param = id(param)
         if id(param) == self.first_param:
             self.backwards += 1
-            self.last = self.bound_base = None
         if not self.on_gpu:
             return
         self.handle.pump()
         per_iteration = self.backwards_per_iteration
         if not self.moving or per_iteration is None or self.backwards < per_iteration - 1:
             return
-        if self.last is None:
-            self.last = self.backwards == per_iteration and self.in_last_microbatch()
-        last = self.last
+        last = self.backwards == per_iteration and self.in_last_microbatch()
         first = None  # the last backward's first reading, which its first hook's room reads too
         if last and not self.sampled:
             first = read_memory()
@@ -157,10 +150,8 @@ class PrefetchDuringBackward:
         kept and coming back then) and what came back early; limited, at most what coming back early is worth."""
         if self.at_step is None:
             return None
-        if self.bound_base is None:  # within a backward none of these change: kept state leaves in forwards only
-            held = self.at_step + self.step_extra + self.handle.kept_bytes()
-            self.bound_base = self.handle.scheduler.backward_room(held)
-        bound = self.bound_base - self.brought
+        handle = self.handle
+        bound = handle.scheduler.backward_room(self.at_step + self.step_extra + handle.kept_bytes()) - self.brought
         if self.limited:
             bound = min(bound, self.worth - self.brought)
         return bound
@@ -201,7 +192,6 @@ class PrefetchDuringBackward:
         self.sampled, self.brought, self.backwards, self.hook = False, 0, 0, 0
         self.readings = []
         self.step_started, self.retries_before, self.stopped = False, None, False
-        self.last = self.bound_base = None
         self.step_extra = self.handle.step_footprint()
         self.worth = int(self.handle.left_to_forward() * BACK_EARLY_OVER_LEFT)
         sizes = self.handle.moving_chunks()

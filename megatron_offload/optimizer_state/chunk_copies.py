@@ -16,8 +16,7 @@ from megatron_offload.core.stats import OffloadStats, Timings
 from megatron_offload.core.streams import OFFLOAD, PREFETCH, Event, Streams
 from megatron_offload.core.units import MIB
 from megatron_offload.optimizer_state import plan as planning
-from megatron_offload.optimizer_state.layout import bound_starts, point_at, runs, whole_runs
-from megatron_offload.optimizer_state.pieces import Memory, Pieces, split_runs
+from megatron_offload.optimizer_state.pieces import Memory, Pieces, bounds, split_runs
 from megatron_offload.optimizer_state.plan import Chunk
 from megatron_offload.optimizer_state.planned_state import PlannedState
 
@@ -69,7 +68,7 @@ class ChunkCopies:
 
     def blocks_for(self, chunk: Chunk) -> Memory:
         """Device memory for a chunk coming back: blocks of at most ``--offload-chunk-mb`` (pieces.py)."""
-        starts = bound_starts(chunk, planning.ALIGN, self.state.chunk_bytes)
+        starts = bounds([(e.offset, planning.aligned(e.nbytes)) for e in chunk.entries], self.state.chunk_bytes)
         return self.new_block(chunk.nbytes) if len(starts) == 1 else Pieces.make(starts, chunk.nbytes, self.new_block)
 
     def _chunk_copy(self, chunk: Chunk, direction: str, pairs: list, **fields: object) -> ChunkCopy:
@@ -96,8 +95,7 @@ class ChunkCopies:
             return None
         pairs, keep, slab = [], [], self.state.slab
         in_block = [chunk.block is not None and entry.in_block for entry in chunk.entries]
-        moved = chunk.entries if all(in_block) else [e for e, b in zip(chunk.entries, in_block, strict=True) if b]
-        stretches = whole_runs(chunk, planning.ALIGN) if moved is chunk.entries else runs(moved, planning.ALIGN)
+        stretches = planning.runs([e for e, b in zip(chunk.entries, in_block, strict=True) if b])
         for host, offset, size in split_runs(stretches, chunk.block):
             pairs.append((slab[host : host + size], chunk.block[offset : offset + size]))
         for entry, in_it in zip(chunk.entries, in_block, strict=True):
@@ -124,7 +122,7 @@ class ChunkCopies:
         slab = self.state.slab
         pairs = [
             (block[offset : offset + size], slab[host : host + size])
-            for host, offset, size in split_runs(whole_runs(chunk, planning.ALIGN), block)
+            for host, offset, size in split_runs(planning.runs(chunk.entries), block)
         ]
         copy = self._chunk_copy(chunk, PREFETCH, pairs, after=after, block=block)
         self.stats.bytes_prefetched += chunk.nbytes
@@ -154,11 +152,13 @@ class ChunkCopies:
     def _started(self, copy: ChunkCopy) -> None:
         if self.streams.timed:
             self.timings.add(copy.direction, self.step_index, copy.began, copy.done)
+        chunk = copy.chunk
         if copy.direction == OFFLOAD:
-            self._point_at_host(copy.chunk)
+            self._point_at_host(chunk)
         else:
-            point_at(copy.chunk.entries, copy.block)
-            copy.chunk.on_gpu, copy.chunk.block, copy.chunk.ready = True, copy.block, copy.done
+            for entry in chunk.entries:
+                entry.tensor.data = planning.view(copy.block, entry.offset, entry.tensor)
+            chunk.on_gpu, chunk.block, chunk.ready = True, copy.block, copy.done
 
     def _landed(self, copy: ChunkCopy) -> None:
         """The copy has landed: the chunk no longer waits for it; the queue drops the memory it held."""

@@ -49,16 +49,11 @@ class Pieces:
 
     def __getitem__(self, index: slice) -> torch.Tensor:
         start, stop = index.start or 0, index.stop
-        piece, offset = self.locate(start, stop - start)
-        return piece[offset : offset + stop - start]
-
-    def locate(self, start: int, nbytes: int) -> tuple[torch.Tensor, int]:
-        """The piece that holds bytes ``[start, start + nbytes)``, and where they start in it."""
         piece = bisect.bisect_right(self.starts, start) - 1
         base = self.starts[piece]
-        if start + nbytes - base > self.blocks[piece].numel():
-            raise IndexError(f"bytes {start}-{start + nbytes} span two pieces (piece {piece} starts at {base})")
-        return self.blocks[piece], start - base
+        if stop - base > self.blocks[piece].numel():
+            raise IndexError(f"bytes {start}-{stop} span two pieces (piece {piece} starts at {base})")
+        return self.blocks[piece][start - base : stop - base]
 
 
 Memory = torch.Tensor | Pieces  # a chunk's device memory: one uint8 block, or pieces

@@ -28,6 +28,7 @@ __all__ = [
     "aligned",
     "offloadable_tensors",
     "owns_its_storage",
+    "runs",
     "view",
 ]
 
@@ -62,7 +63,6 @@ class Chunk:
     ready: Any = None  # event the compute stream waits for before using the block (a copy back, or one out reading it)
     touched: bool = True  # the compute stream may have changed it since its host copy was made
     copy: Any = None  # the engine's copy of this chunk that is queued or in flight, if any
-    layout: dict = field(default_factory=dict, repr=False)  # its stretches and pieces, worked out once (layout.py)
 
     def label(self, total: int) -> str:
         return f"chunk {self.index + 1} of {total} ({self.nbytes / MIB:.1f} MiB, {len(self.params)} params)"
@@ -118,6 +118,19 @@ def nbytes_of(tensor: torch.Tensor) -> int:
 def view(block: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
     """``like``'s shape and dtype over ``block`` (uint8) from byte ``offset``."""
     return block[offset : offset + nbytes_of(like)].view(like.dtype).view(like.shape)
+
+
+def runs(entries: list[Entry]) -> list[tuple[int, int, int]]:
+    """(host offset, block offset, bytes) of each stretch that is contiguous on both sides: one copy each.
+    A chunk has one, or two after Adam's first step added its moments at the end of the slab."""
+    found: list[list[int]] = []
+    for entry in sorted(entries, key=lambda e: e.offset):
+        size = aligned(entry.nbytes)
+        if found and found[-1][0] + found[-1][2] == entry.host_offset and found[-1][1] + found[-1][2] == entry.offset:
+            found[-1][2] += size
+        else:
+            found.append([entry.host_offset, entry.offset, size])
+    return [(host, block, size) for host, block, size in found]
 
 
 def all_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
