@@ -28,7 +28,7 @@ COUNTERS = (
 )
 
 
-def counters() -> dict[str, int | None] | None:
+def counters() -> dict[str, int] | None:
     """The counters of this process's current CUDA device (0 where the allocator never ran: it has no statistics
     until its first allocation); None without a CUDA GPU."""
     import torch
