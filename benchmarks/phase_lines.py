@@ -10,6 +10,7 @@ import os
 import re
 import resource
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -115,18 +116,22 @@ def table(rows: dict[str, dict[str, list[float]]], base: str | None = None) -> s
 
 
 def counter_summary(
-    text: str, fields: tuple[str, str] = ("retries", "maps"), skip: int = SKIPPED_LINES
+    text: str,
+    fields: tuple[str, str] = ("retries", "maps"),
+    skip: int = SKIPPED_LINES,
+    average: Callable[[list[float]], float] = statistics.mean,
 ) -> dict[str, list[float]]:
-    """Per phase, the means of two ``fields`` (of COUNTED) over a log's allocator lines after the first ``skip``:
-    the same shape as ``summary``'s, so that ``table`` prints them. Lines of five fields (written before the CPU
-    times were counted) are read too, for their fields."""
+    """Per phase, the ``average`` (mean; median for host times a few slow phases would skew) of two ``fields``
+    (of COUNTED) over a log's allocator lines after the first ``skip``: the same shape as ``summary``'s, so that
+    ``table`` prints them. Lines of five fields (written before the CPU times were counted) are read too, for their
+    fields."""
     counts: dict[str, list[list[float]]] = {}
     # By ALLOCATOR_LINE: the fields in parentheses vary with the log's age.
     for text_line in [line for line in text.splitlines() if line.startswith(ALLOCATOR_LINE)][skip:]:
         for phase, values in re.findall(r"(\w+)=([0-9.e+-]+(?:/[0-9.e+-]+){4,})", text_line):
             counts.setdefault(phase, []).append([float(value) for value in values.split("/")])
     picked = [COUNTED.index(field) for field in fields]
-    return {phase: [statistics.mean(c[i] for c in rows) for i in picked] for phase, rows in counts.items()}
+    return {phase: [average([c[i] for c in rows]) for i in picked] for phase, rows in counts.items()}
 
 
 def runqueue_ms(schedstat: Path = Path("/proc/thread-self/schedstat")) -> float:

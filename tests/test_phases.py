@@ -4,6 +4,7 @@ once its events have completed and never before, the medians of a log, the table
 
 from __future__ import annotations
 
+import statistics
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -158,6 +159,11 @@ def test_the_allocator_line_gives_what_each_counter_grew_by_in_each_phase(marked
     assert host["B1"] == [0.5, 0.0]
     cpu = phase_lines.counter_summary("\n".join(said), ("main thread cpu ms", "other threads cpu ms"), skip=0)
     assert cpu["F1"] == [4.0, 0.0]
+    lines = "\n".join(f"allocator and host per phase (retries/maps/unmaps/gc ms/hooks ms): F1={r}/0/0/0/{h}" for r, h in
+                       ((0, 1.0), (0, 2.0), (9, 30.0)))  # fmt: skip
+    assert phase_lines.counter_summary(lines, ("retries", "hooks ms"), skip=0, average=statistics.median) == {
+        "F1": [0.0, 2.0]  # one slow phase moves the mean (3, 11), not the median
+    }
     five = "allocator and host per phase (retries/maps/unmaps/gc ms/hooks ms): F1=2/1/0/0.25/3.5"  # an older log
     assert phase_lines.counter_summary(five, ("retries", "hooks ms"), skip=0) == {"F1": [2.0, 3.5]}
 
