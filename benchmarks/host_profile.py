@@ -57,8 +57,8 @@ def by_file(frame: str) -> str:
 class Profile:
     """One row: samples of the main thread, within the frame, and within it by function and by innermost frame."""
 
-    main: int = 0
-    within: int = 0
+    main: float = 0
+    within: float = 0
     functions: Counter = field(default_factory=Counter)
     leaves: Counter = field(default_factory=Counter)
 
